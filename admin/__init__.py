@@ -1,0 +1,1 @@
+"""The admin protocol: payload schemas and the HTTP client. Imports nothing from scry."""

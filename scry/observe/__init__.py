@@ -1,0 +1,1 @@
+"""Observers: fingerprints, statistics, events and metrics. Fed by hooks; never blocks the proxy."""

@@ -1,0 +1,1 @@
+"""The operator console (Textual). Talks to proxies only through the admin package."""
