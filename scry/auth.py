@@ -1,0 +1,54 @@
+"""Who may log in to scry, and with which secret.
+
+Users come from ``auth.users``, ``auth.auth_file`` (PgBouncer's userlist.txt)
+and, when there is no ``auth:`` section at all, from the credentials inside
+``database_url``/``databases``: the application's old connection string keeps
+working and nothing is open by default. ``trust`` must be chosen explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scry.config import Config, ConfigError, DatabaseTarget
+from scry.userlist import load_userlist
+
+
+@dataclass(frozen=True)
+class AuthPolicy:
+    method: str
+    users: dict[str, str]  # user name -> stored secret (plain, md5 or SCRAM)
+
+    @classmethod
+    def from_config(cls, config: Config) -> AuthPolicy:
+        users: dict[str, str] = {}
+        auth = config.auth
+        if auth is None:
+            for target in config.targets().values():
+                if target.user and target.password is not None:
+                    users.setdefault(target.user, target.password)
+            return cls("scram-sha-256", users)
+        if auth.auth_file:
+            try:
+                users.update(load_userlist(auth.auth_file))
+            except OSError as exc:
+                raise ConfigError(f"auth.auth_file: cannot read {auth.auth_file}: {exc}") from exc
+        for entry in auth.users:
+            if entry.password is not None:
+                users[entry.name] = entry.password
+        return cls(auth.type, users)
+
+    def secret_for(self, user: str) -> str | None:
+        return self.users.get(user)
+
+    def server_credentials(
+        self, target: DatabaseTarget, client_user: str
+    ) -> tuple[str, str | None]:
+        """The user and password a pool logs in to PostgreSQL with.
+
+        A ``database_url`` with a user forces that user for everyone (PgBouncer's
+        forced user); otherwise the client's own name and stored secret are used.
+        """
+        if target.user:
+            return target.user, target.password
+        return client_user, self.users.get(client_user)

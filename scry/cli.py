@@ -1,0 +1,157 @@
+"""The ``scry`` command line.
+
+Thin on purpose: each command builds a :class:`~scry.config.Config` and calls
+into a module. Heavy modules are imported inside the commands so that
+``scry --help`` stays fast. Exit codes: 0 ok, 1 user error (bad config),
+2 usage error (Typer's default).
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from scry import __version__
+
+app = typer.Typer(
+    name="scry",
+    help="A PostgreSQL connection pooler and proxy that tells you why your database is struggling.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Locals can hold passwords and tokens: never print them in a traceback.
+    pretty_exceptions_show_locals=False,
+)
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        envvar="SCRY_CONFIG",
+        help="YAML config file (settings can also come from SCRY_* env vars).",
+        dir_okay=False,
+        show_default=False,
+    ),
+]
+
+
+class PoolMode(StrEnum):
+    """Pool modes accepted on the command line."""
+
+    session = "session"
+    transaction = "transaction"
+    hybrid = "hybrid"
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"scry {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version_callback,
+            is_eager=True,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """A PostgreSQL connection pooler and proxy that tells you why your database is struggling."""
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"scry: {message}", err=True)
+    return typer.Exit(1)
+
+
+def _load(config_path: Path | None, overrides: dict[str, Any] | None = None) -> Any:
+    """Load the config or exit 1 with the message (never a traceback)."""
+    from scry.config import ConfigError, load_config
+
+    try:
+        return load_config(config_path, overrides=overrides)
+    except ConfigError as exc:
+        raise _fail(f"config error: {exc}") from None
+
+
+@app.command()
+def serve(
+    config: ConfigOption = None,
+    pgbouncer_config: Annotated[
+        Path | None,
+        typer.Option(
+            "--pgbouncer-config",
+            help="Read settings from a pgbouncer.ini (not supported yet).",
+            show_default=False,
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            min=1,
+            help="Worker processes (overrides config `workers`).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Run the proxy in the foreground; logs go to stderr."""
+    if pgbouncer_config is not None:
+        raise _fail("--pgbouncer-config is not supported yet")
+    overrides = {"workers": workers} if workers is not None else None
+    cfg = _load(config, overrides)
+
+    from scry.proxy import run_proxy
+
+    raise typer.Exit(run_proxy(cfg, str(config) if config is not None else None))
+
+
+@app.command("check-config")
+def check_config(config: ConfigOption = None) -> None:
+    """Validate the config and print the effective settings (secrets masked)."""
+    import yaml
+
+    cfg = _load(config)
+    typer.echo(
+        yaml.safe_dump(cfg.masked_dict(), sort_keys=False, default_flow_style=False), nl=False
+    )
+    typer.echo("config ok")
+
+
+@app.command()
+def demo(
+    duration: Annotated[
+        float, typer.Option("--duration", min=0, help="Seconds to run; 0 = until Ctrl-C.")
+    ] = 0,
+    clients: Annotated[
+        int, typer.Option("--clients", min=1, help="Synthetic workload clients.")
+    ] = 8,
+    mode: Annotated[
+        PoolMode, typer.Option("--mode", help="Pool mode of the demo proxy.")
+    ] = PoolMode.transaction,
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="Port the demo proxy listens on.")
+    ] = 6432,
+) -> None:
+    """Throwaway PostgreSQL + proxy + synthetic workload + console; all removed on exit."""
+    from scry.demo import run_demo
+
+    raise typer.Exit(run_demo(duration=duration, clients=clients, mode=mode.value, port=port))
+
+
+def main() -> None:
+    """Console-script entry point (``scry``)."""
+    app(prog_name="scry")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,521 @@
+"""A client connected to scry: startup, authentication, then the relay.
+
+``ClientConnection`` is an ``asyncio.Protocol``:
+
+    startup -> auth -> login (waiting for the pool's first server) -> ready -> closed
+
+In ``ready`` every chunk from the client is scanned for the messages that
+matter to pooling (Query, Sync and FunctionCall each owe one ReadyForQuery;
+Terminate ends the client) and forwarded whole to its server. Without a server
+the chunk is queued, reading pauses, and the pool is asked for one; in
+transaction mode the server goes back as soon as it reports idle with nothing
+owed, at a message boundary on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from typing import TYPE_CHECKING
+
+from scry.log import event
+from scry.pool import Pool, connect_error
+from scry.protocol import messages as m
+from scry.protocol import startup as st
+from scry.protocol.auth import AuthStep, ClientAuthExchange
+from scry.protocol.errors import (
+    ADMIN_SHUTDOWN,
+    CONNECTION_FAILURE,
+    FEATURE_NOT_SUPPORTED,
+    PROTOCOL_VIOLATION,
+    TOO_MANY_CONNECTIONS,
+    ProtocolViolation,
+)
+from scry.protocol.framing import MessageReader, MessageScanner
+from scry.server import ServerConnection, ServerLoginError
+
+if TYPE_CHECKING:
+    from scry.proxy import Proxy
+
+_Q = m.QUERY[0]
+_SYNC = m.SYNC[0]
+_F = m.FUNCTION_CALL[0]
+_X = m.TERMINATE[0]
+
+CLIENT_WANT = (m.QUERY, m.SYNC, m.FUNCTION_CALL, m.TERMINATE)
+
+# Settings PostgreSQL reports with ParameterStatus that a client may change;
+# scry re-applies them on whichever server serves the client.
+TRACKED_PARAMETERS = frozenset(
+    {
+        "application_name",
+        "client_encoding",
+        "DateStyle",
+        "IntervalStyle",
+        "TimeZone",
+        "standard_conforming_strings",
+        "search_path",
+    }
+)
+# GUC names are case-insensitive; ParameterStatus uses these spellings.
+_CANONICAL = {"datestyle": "DateStyle", "intervalstyle": "IntervalStyle", "timezone": "TimeZone"}
+# Startup keys that are not settings.
+_NOT_SETTINGS = frozenset({"user", "database", "options", "replication"})
+
+STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
+
+_ids = itertools.count(1)
+
+
+def canonical_name(name: str) -> str:
+    lower = name.lower()
+    return _CANONICAL.get(lower, lower)
+
+
+def parse_options(options: str) -> dict[str, str]:
+    """Settings from a startup ``options`` string (``-c name=value`` / ``--name=value``)."""
+    tokens: list[str] = []
+    current = []
+    escaped = False
+    for ch in options:
+        if escaped:
+            current.append(ch)
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch.isspace():
+            if current:
+                tokens.append("".join(current))
+                current = []
+        else:
+            current.append(ch)
+    if current:
+        tokens.append("".join(current))
+    settings: dict[str, str] = {}
+    it = iter(tokens)
+    for token in it:
+        if token == "-c":
+            token = next(it, "")
+        elif token.startswith("-c") or token.startswith("--"):
+            token = token[2:]
+        else:
+            raise ProtocolViolation(f"unsupported startup option {token!r}", FEATURE_NOT_SUPPORTED)
+        name, sep, value = token.partition("=")
+        if not sep or not name:
+            raise ProtocolViolation(f"invalid startup option {token!r}", FEATURE_NOT_SUPPORTED)
+        settings[canonical_name(name.replace("-", "_"))] = value
+    return settings
+
+
+def _valid_setting_name(name: str) -> bool:
+    return bool(name) and all(c.isalnum() or c in "_." for c in name)
+
+
+class ClientConnection(asyncio.Protocol):
+    """One application connection to scry."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.id = f"c{next(_ids)}"
+        self.proxy = proxy
+        self.state = STARTUP
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.addr = ""
+        self.user = ""
+        self.database = ""
+        self.application_name = ""
+        self.params: dict[str, str] = {}  # settings to apply on any server that serves us
+        self.pool: Pool | None = None
+        self.server: ServerConnection | None = None
+        self.connected_at = time.time()
+        self.cancel_key: tuple[int, int] | None = None
+        self.transaction_pooling = True
+        self._startup_buf = bytearray()
+        self._reader: MessageReader | None = None
+        self._auth: ClientAuthExchange | None = None
+        self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size)
+        self._queue: list[bytes] = []  # client bytes waiting for a server
+        self._queued_owed = 0
+        self._waiting_since = 0.0
+        self._wait_timer: asyncio.TimerHandle | None = None
+        self._login_timer: asyncio.TimerHandle | None = None
+        self._paused_waiting = False
+        self._paused_by_server = False
+        self._closing_after_release = False
+
+    # --- asyncio callbacks -----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.addr = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
+        timeout = self.proxy.config.timeouts.client_login_timeout
+        if timeout:
+            self._login_timer = asyncio.get_running_loop().call_later(
+                timeout, self._login_timed_out
+            )
+        self.proxy.on_client_connected(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.state is READY:
+            self._relay(data)
+        elif self.state is STARTUP:
+            self._startup_data(data)
+        elif self.state is AUTH:
+            self._auth_data(data)
+        elif self.state is LOGIN:
+            assert self._reader is not None
+            self._reader.feed(data)  # pipelined before ReadyForQuery; relayed later
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.state is not CLOSED:
+            self._cleanup(
+                "client disconnected" if exc is None else f"client connection lost: {exc}"
+            )
+
+    # --- startup -----------------------------------------------------------------
+
+    def _startup_data(self, data: bytes) -> None:
+        buf = self._startup_buf
+        buf += data
+        while self.state is STARTUP:
+            try:
+                parsed = st.read_startup_packet(buf)
+            except ProtocolViolation as exc:
+                self.fatal(exc.sqlstate, str(exc))
+                return
+            if parsed is None:
+                return
+            packet, used = parsed
+            del buf[:used]
+            if isinstance(packet, st.SSLRequest | st.GSSENCRequest):
+                self.transport.write(b"N")  # TLS to clients: see tls.client_tls_sslmode
+            elif isinstance(packet, st.CancelRequest):
+                self.proxy.handle_cancel(packet.pid, packet.secret)
+                self._cleanup("cancel request", quiet=True)
+                return
+            else:
+                self._begin_login(packet)
+
+    def _begin_login(self, packet: st.StartupMessage) -> None:
+        proxy = self.proxy
+        params = packet.params
+        self.user = packet.user
+        self.database = packet.database
+        if "replication" in params and params["replication"] not in ("false", "off", "0"):
+            self.fatal(FEATURE_NOT_SUPPORTED, "replication connections are not supported by scry")
+            return
+        if proxy.draining:
+            self.fatal(ADMIN_SHUTDOWN, "scry is shutting down")
+            return
+        if proxy.client_count > proxy.config.pool.max_client_conn:
+            self.fatal(TOO_MANY_CONNECTIONS, "no more connections allowed (max_client_conn)")
+            return
+        target = proxy.targets.get(self.database)
+        if target is None:
+            self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")
+            return
+        try:
+            settings = {}
+            for key, value in params.items():
+                if key in _NOT_SETTINGS:
+                    continue
+                name = canonical_name(key)
+                if not _valid_setting_name(name):
+                    raise ProtocolViolation(f"unsupported startup parameter: {key}")
+                settings[name] = value
+            if params.get("options"):
+                settings.update(parse_options(params["options"]))
+        except ProtocolViolation as exc:
+            self.fatal(exc.sqlstate, str(exc))
+            return
+        self.params = settings
+        self.application_name = settings.get("application_name", "")
+        server_user, server_password = proxy.auth.server_credentials(target, self.user)
+        self.pool = proxy.pool_for(target, server_user, server_password)
+        self.transaction_pooling = self.pool.mode != "session"
+        self._auth = ClientAuthExchange(
+            proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
+        )
+        self._reader = MessageReader(proxy.config.max_packet_size)
+        self.state = AUTH
+        self._auth_step(self._auth.start())
+        if self.state is AUTH and buf_has(self._startup_buf):
+            self._auth_data(bytes(self._startup_buf))
+        self._startup_buf.clear()
+
+    def _auth_data(self, data: bytes) -> None:
+        reader = self._reader
+        assert reader is not None and self._auth is not None
+        reader.feed(data)
+        try:
+            while self.state is AUTH and (msg := reader.next_message()) is not None:
+                self._auth_step(self._auth.handle(*msg))
+        except ProtocolViolation as exc:
+            self.fatal(exc.sqlstate, str(exc))
+
+    def _auth_step(self, step: AuthStep) -> None:
+        if step.error is not None:
+            sqlstate, text = step.error
+            event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
+                  user=self.user, db=self.database, reason=text)  # fmt: skip
+            self.fatal(sqlstate, text)
+            return
+        if step.reply:
+            self.transport.write(step.reply)
+        if step.done:
+            self.state = LOGIN
+            self._auth = None
+            asyncio.get_running_loop().create_task(self._finish_login())
+
+    async def _finish_login(self) -> None:
+        pool = self.pool
+        assert pool is not None
+        try:
+            await pool.ensure_welcome()
+        except Exception as exc:
+            if self.state is LOGIN:
+                sqlstate, text = connect_error(exc)
+                if isinstance(exc, ServerLoginError):
+                    text = str(exc)
+                self.fatal(sqlstate, text)
+            return
+        if self.state is not LOGIN:
+            return
+        welcome = dict(pool.welcome or {})
+        for name, value in self.params.items():
+            if name in welcome:
+                welcome[name] = value
+        pid, secret = self.proxy.register_cancel_key(self)
+        out = [m.auth_ok()]
+        out.extend(m.parameter_status(k, v) for k, v in welcome.items())
+        out.append(m.backend_key_data(pid, secret))
+        out.append(m.ready_for_query())
+        self.transport.write(b"".join(out))
+        if self._login_timer is not None:
+            self._login_timer.cancel()
+            self._login_timer = None
+        self.state = READY
+        event("client login", client=self.id, addr=self.addr, user=self.user,
+              db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
+        assert self._reader is not None
+        early = self._reader.take_remaining()
+        self._reader = None
+        if early:
+            self._relay(early)
+
+    def _login_timed_out(self) -> None:
+        self._login_timer = None
+        if self.state in (STARTUP, AUTH, LOGIN):
+            self.fatal(PROTOCOL_VIOLATION, "client_login_timeout")
+
+    # --- relay -------------------------------------------------------------------
+
+    def _relay(self, data: bytes) -> None:
+        try:
+            out, events = self._scanner.feed(data)
+        except ProtocolViolation as exc:
+            self.fatal(exc.sqlstate, str(exc))
+            return
+        owed = 0
+        terminate = False
+        for kind, end, _body in events:
+            if kind == _X:
+                out = out[: end - 5]
+                terminate = True
+                break
+            owed += 1  # Query, Sync, FunctionCall: each ends with ReadyForQuery
+        server = self.server
+        if server is not None:
+            if out:
+                server.pending += owed
+                server.transport.write(out)  # type: ignore[union-attr]
+        elif out:
+            self._queue.append(out)
+            self._queued_owed += owed
+            if self.state is READY:
+                self._get_server()
+        if terminate:
+            self._cleanup("client closed")
+
+    def _get_server(self) -> None:
+        pool = self.pool
+        assert pool is not None
+        if self._waiting_since:
+            return  # already queued at the pool
+        if self.proxy.draining:
+            self.fatal(ADMIN_SHUTDOWN, "scry is shutting down")
+            return
+        server = pool.acquire_nowait()
+        if server is not None:
+            self._link(server)
+            return
+        self._waiting_since = time.monotonic()
+        self._paused_waiting = True
+        self.transport.pause_reading()
+        timeout = self.proxy.config.timeouts.query_wait_timeout
+        if timeout:
+            self._wait_timer = asyncio.get_running_loop().call_later(timeout, self._wait_timed_out)
+        pool.wait(self)
+
+    def attach(self, server: ServerConnection) -> bool:
+        """Called by the pool when a server is free for this waiting client."""
+        if self.state is not READY:
+            return False
+        pool = self.pool
+        assert pool is not None
+        if self._wait_timer is not None:
+            self._wait_timer.cancel()
+            self._wait_timer = None
+        pool.total_wait_us += int((time.monotonic() - self._waiting_since) * 1e6)
+        self._waiting_since = 0.0
+        self._link(server)
+        if self._paused_waiting:
+            self._paused_waiting = False
+            self._update_reading()
+        return True
+
+    def _link(self, server: ServerConnection) -> None:
+        self.server = server
+        server.link(self)
+        if self._queue:
+            data = b"".join(self._queue) if len(self._queue) > 1 else self._queue[0]
+            self._queue.clear()
+            server.pending += self._queued_owed
+            self._queued_owed = 0
+            server.transport.write(data)  # type: ignore[union-attr]
+
+    def on_server_ready(self, server: ServerConnection) -> None:
+        """The server answered everything and is idle: give it back if pooling allows."""
+        if not self.transaction_pooling or not self._scanner.at_boundary:
+            return
+        self.server = None
+        server.unlink()
+        assert self.pool is not None
+        self.pool.release(server)
+
+    def on_parameter_status(self, server: ServerConnection, name: str, value: str) -> None:
+        """The client (or our SET) changed a setting: remember it for the next server."""
+        if name in TRACKED_PARAMETERS and self.params.get(name) != value:
+            self.params = {**self.params, name: value}
+            server.applied = self.params
+            if name == "application_name":
+                self.application_name = value
+
+    def on_server_lost(self, server: ServerConnection, reason: str) -> None:
+        """Our server died under us: the session is gone, so is the client."""
+        if self.server is server:
+            self.server = None
+        if self.state is READY:
+            self.fatal(CONNECTION_FAILURE, f"server connection lost ({reason})")
+
+    def fail_waiting(self, sqlstate: str, text: str) -> None:
+        """The pool cannot open a server for us: fail instead of hanging."""
+        self._waiting_since = 0.0
+        self.fatal(sqlstate, text)
+
+    def _wait_timed_out(self) -> None:
+        self._wait_timer = None
+        pool = self.pool
+        assert pool is not None
+        pool.cancel_wait(self)
+        waited = time.monotonic() - self._waiting_since
+        self._waiting_since = 0.0
+        event("query_wait_timeout", logging.WARNING, client=self.id, pool=pool.name,
+              waited_s=round(waited, 3))  # fmt: skip
+        self.fatal(
+            PROTOCOL_VIOLATION,
+            "query_wait_timeout",
+            detail=f"no server connection of pool {pool.name} (size {pool.size}) "
+            f"became free within {waited:.1f} s",
+        )
+
+    # --- flow control --------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        # The client reads slower than its server sends: stop reading the server.
+        server = self.server
+        if server is not None and not server.paused_by_client:
+            server.paused_by_client = True
+            server.transport.pause_reading()  # type: ignore[union-attr]
+
+    def resume_writing(self) -> None:
+        server = self.server
+        if server is not None and server.paused_by_client:
+            server.paused_by_client = False
+            server.transport.resume_reading()  # type: ignore[union-attr]
+
+    def pause_reading_for(self, server: ServerConnection) -> None:
+        self._paused_by_server = True
+        self._update_reading()
+
+    def resume_reading_for(self, server: ServerConnection) -> None:
+        self._paused_by_server = False
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        if self.state is CLOSED:
+            return
+        if self._paused_waiting or self._paused_by_server:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+    # --- closing -----------------------------------------------------------------------
+
+    def fatal(self, sqlstate: str, text: str, detail: str | None = None) -> None:
+        """Send a FATAL ErrorResponse and close."""
+        if self.state is CLOSED:
+            return
+        try:
+            self.transport.write(m.error_response(sqlstate, text, severity="FATAL", detail=detail))
+        except Exception:
+            pass
+        self._cleanup(text)
+
+    def _cleanup(self, reason: str, quiet: bool = False) -> None:
+        was_ready = self.state is READY
+        self.state = CLOSED
+        for timer in (self._wait_timer, self._login_timer):
+            if timer is not None:
+                timer.cancel()
+        pool = self.pool
+        if pool is not None and self._waiting_since:
+            pool.cancel_wait(self)
+        server = self.server
+        self.server = None
+        if server is not None and pool is not None:
+            self._give_back(server, pool)
+        self.transport.close()
+        self.proxy.on_client_closed(self)
+        if not quiet and (was_ready or reason):
+            event("client closed", client=self.id, addr=self.addr, user=self.user,
+                  db=self.database, reason=reason)  # fmt: skip
+
+    def _give_back(self, server: ServerConnection, pool: Pool) -> None:
+        server.unlink()
+        if not server.clean or not self._scanner.at_boundary:
+            server.close("client left with a query or transaction in progress")
+            pool.active.discard(server)
+            return
+        reset = pool.settings.server_reset_query
+        if reset and (not self.transaction_pooling or pool.settings.server_reset_query_always):
+            pool.release_with_reset(server, reset)
+        else:
+            pool.release(server)
+
+    def cancel_current_query(self) -> None:
+        """A CancelRequest with our key: cancel what our server runs, if anything."""
+        server = self.server
+        if server is not None and server.pending > 0:
+            server.send_cancel()
+
+
+def buf_has(buf: bytearray) -> bool:
+    return len(buf) > 0
+
+
+def random_pid() -> int:
+    return random.randint(1, 2**31 - 1)

@@ -1,0 +1,948 @@
+"""scry's configuration: a plain, validated object with no CLI dependency.
+
+Layers, lowest priority first:
+
+1. the defaults declared on the models below (PgBouncer's, where PgBouncer has
+   the same setting);
+2. the YAML file (``load_config(path)``);
+3. environment variables ``SCRY_<PATH>``, where PATH is the dotted key path
+   upper-cased with ``.`` replaced by ``__`` (``SCRY_POOL__SIZE=50``);
+4. explicit overrides from the command line (``load_config(..., overrides=...)``).
+
+Every model refuses unknown keys. Any problem, whether a YAML syntax error, a
+wrong type, an unknown key or a bad URL, is raised as one :class:`ConfigError`
+whose message names each offending key path, what was expected and what was
+found, so that nothing starts half-configured.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "AdminConfig",
+    "AuthConfig",
+    "CircuitBreakerConfig",
+    "Config",
+    "ConfigError",
+    "DatabaseConfig",
+    "DatabaseTarget",
+    "EventsConfig",
+    "HealthConfig",
+    "HotDataConfig",
+    "LogConfig",
+    "NON_CONFIG_ENV_VARS",
+    "ObservabilityConfig",
+    "PoolConfig",
+    "PoolOverride",
+    "TimeoutsConfig",
+    "TlsConfig",
+    "UserEntry",
+    "is_loopback_host",
+    "load_config",
+    "split_host_port",
+]
+
+ENV_PREFIX = "SCRY_"
+#: ``SCRY_*`` variables that are not config paths (used by the CLI itself).
+NON_CONFIG_ENV_VARS = frozenset({"SCRY_CONFIG", "SCRY_ADMIN_TOKEN"})
+MASK = "***"
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message is meant for the operator.
+
+    ``problems`` holds one line per offending key (``"pool.size: expected an
+    integer, found 'abc'"``); ``source`` is the file name when there is one.
+    """
+
+    def __init__(
+        self, message: str, *, problems: list[str] | None = None, source: str | None = None
+    ):
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+        self.source = source
+
+
+# --------------------------------------------------------------------------- #
+# Small value types and helpers
+# --------------------------------------------------------------------------- #
+
+
+def _problem(path: str, message: str) -> PydanticCustomError:
+    """An error raised from a validator that names a field below the current model.
+
+    Pydantic locates model-level errors at the model itself; the ``field`` in
+    the context lets :func:`_format_validation_error` point at the exact key.
+    """
+    return PydanticCustomError("scry_problem", "{detail}", {"field": path, "detail": message})
+
+
+def _reject_bool(value: Any) -> Any:
+    # Pydantic's lax mode turns true/false into 1/0; ``size: yes`` is a mistake.
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_not_number", "expected a number, found a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_reject_bool)]
+Float = Annotated[float, BeforeValidator(_reject_bool)]
+Seconds = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0)]
+SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
+PoolMode = Literal["session", "transaction", "hybrid"]
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """Split ``"host:port"`` or ``"[v6addr]:port"`` into its parts.
+
+    Raises ValueError with a readable message when the address is malformed.
+    """
+    addr = addr.strip()
+    if addr.startswith("["):
+        host, sep, rest = addr[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"expected '[ipv6]:port', found {addr!r}")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = addr.rpartition(":")
+        if not sep:
+            raise ValueError(f"expected 'host:port', found {addr!r}")
+        if ":" in host:
+            raise ValueError(f"an IPv6 address needs brackets ('[::1]:6432'), found {addr!r}")
+    if not host:
+        raise ValueError(f"expected 'host:port' with a host, found {addr!r}")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"expected a port between 0 and 65535, found {port_text!r}")
+    return host, int(port_text)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost``, 127.0.0.0/8 and ::1 (other names count as non-loopback)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _validate_listen_addr(value: str) -> str:
+    try:
+        split_host_port(value)
+    except ValueError as exc:
+        raise PydanticCustomError("listen_addr", str(exc)) from None
+    return value
+
+
+class _Model(BaseModel):
+    """Base for every config section: unknown keys are an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- #
+# Sections
+# --------------------------------------------------------------------------- #
+
+
+class PoolConfig(_Model):
+    """Server-connection pool settings (per database and user)."""
+
+    mode: PoolMode = "hybrid"
+    size: Int = Field(20, ge=1)
+    min_size: Int = Field(0, ge=0)
+    reserve_size: Int = Field(0, ge=0)
+    max_client_conn: Int = Field(1000, ge=1)
+    idle_unpin_seconds: Seconds = 300
+    max_prepared_statements: Int = Field(200, ge=0)
+    server_reset_query: str = "DISCARD ALL"
+    server_reset_query_always: bool = False
+
+    @model_validator(mode="after")
+    def _min_not_above_size(self) -> PoolConfig:
+        if self.min_size > self.size:
+            raise _problem("min_size", f"must not exceed size ({self.size}), found {self.min_size}")
+        return self
+
+
+class PoolOverride(_Model):
+    """Per-database pool settings; ``None`` inherits the top-level ``pool:`` value."""
+
+    mode: PoolMode | None = None
+    size: Int | None = Field(None, ge=1)
+    min_size: Int | None = Field(None, ge=0)
+    reserve_size: Int | None = Field(None, ge=0)
+    max_client_conn: Int | None = Field(None, ge=1)
+    idle_unpin_seconds: Seconds | None = None
+    max_prepared_statements: Int | None = Field(None, ge=0)
+    server_reset_query: str | None = None
+    server_reset_query_always: bool | None = None
+
+    def merged_with(self, base: PoolConfig) -> PoolConfig:
+        """The effective pool settings: ``base`` with this override's set fields."""
+        return PoolConfig.model_validate(
+            {**base.model_dump(), **self.model_dump(exclude_none=True)}
+        )
+
+
+class DatabaseConfig(_Model):
+    """One entry of ``databases:``: where a client-visible database really lives."""
+
+    database_url: str
+    pool: PoolOverride | None = None
+
+
+class UserEntry(_Model):
+    """An inline user; ``password`` is plaintext, ``md5<32 hex>`` or ``SCRAM-SHA-256$...``."""
+
+    name: str = Field(min_length=1)
+    password: str | None = None
+
+
+class AuthConfig(_Model):
+    """Client authentication, with PgBouncer's names."""
+
+    type: Literal["trust", "md5", "scram-sha-256", "cert", "hba", "plain", "any"] = "scram-sha-256"
+    auth_file: str | None = None
+    auth_hba_file: str | None = None
+    auth_query: str | None = None
+    auth_user: str | None = None
+    users: list[UserEntry] = Field(default_factory=list)
+
+
+class TimeoutsConfig(_Model):
+    """Timeouts in seconds, 0 = disabled; PgBouncer's meanings and defaults."""
+
+    query_wait_timeout: Seconds = 120
+    query_timeout: Seconds = 0
+    idle_transaction_timeout: Seconds = 0
+    client_idle_timeout: Seconds = 0
+    server_lifetime: Seconds = 3600
+    server_idle_timeout: Seconds = 600
+    server_connect_timeout: Seconds = 15
+    client_login_timeout: Seconds = 60
+    server_check_delay: Seconds = 30
+    server_check_query: str = "select 1"
+    #: 0 = a graceful shutdown waits for clients forever.
+    shutdown_timeout: Seconds = 0
+
+
+class CircuitBreakerConfig(_Model):
+    """The per-database circuit breaker."""
+
+    enabled: bool = True
+    failure_threshold: Int = Field(5, ge=1)
+    success_threshold: Int = Field(3, ge=1)
+    timeout_seconds: Seconds = 30
+
+
+class HealthConfig(_Model):
+    """Health-monitor thresholds (the predictive breaker)."""
+
+    predictive: bool = False
+
+
+class AdminConfig(_Model):
+    """The admin HTTP endpoint."""
+
+    listen_addr: str = "127.0.0.1:6480"
+    token: str | None = None
+    #: Read at load time into ``token`` (whitespace stripped) when ``token`` is unset.
+    token_file: str | None = None
+    read_only: bool = False
+    enabled: bool = True
+
+    _check_addr = field_validator("listen_addr")(_validate_listen_addr)
+
+    @model_validator(mode="after")
+    def _resolve_token(self) -> AdminConfig:
+        if self.token is None and self.token_file is not None:
+            self.token = _read_secret_file(self.token_file, "token_file")
+        host, _ = split_host_port(self.listen_addr)
+        if self.enabled and not self.token and not is_loopback_host(host):
+            # An unauthenticated admin API on the network could kill clients.
+            raise _problem(
+                "listen_addr",
+                f"a non-loopback address ({self.listen_addr!r}) needs admin.token "
+                "or admin.token_file",
+            )
+        return self
+
+
+class HotDataConfig(_Model):
+    """The hot-data sketch (count-min + top-k)."""
+
+    top_k: Int = Field(50, ge=1)
+    width: Int = Field(2048, ge=1)
+    depth: Int = Field(4, ge=1)
+
+
+class EventsConfig(_Model):
+    """Where per-query events are shipped."""
+
+    sink: Literal["none", "file", "http"] = "none"
+    path: str | None = None
+    url: str | None = None
+    batch_size: Int = Field(100, ge=1)
+    flush_interval_ms: Int = Field(1000, ge=1)
+    buffer_capacity: Int = Field(10000, ge=1)
+    compression: Literal["gzip", "none"] = "gzip"
+
+    @model_validator(mode="after")
+    def _sink_has_destination(self) -> EventsConfig:
+        if self.sink == "file" and not self.path:
+            raise _problem("path", "sink 'file' needs a path")
+        if self.sink == "http" and not self.url:
+            raise _problem("url", "sink 'http' needs a url")
+        return self
+
+
+class ObservabilityConfig(_Model):
+    """Fingerprinting, anonymization, hot data and the event pipeline."""
+
+    fingerprinting: bool = True
+    anonymize: bool = True
+    anonymize_key: str | None = None
+    #: Read at load time into ``anonymize_key`` when that is unset.
+    anonymize_key_file: str | None = None
+    max_fingerprints: Int = Field(5000, ge=1)
+    hot_data: HotDataConfig = Field(default_factory=HotDataConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+
+    @model_validator(mode="after")
+    def _resolve_key(self) -> ObservabilityConfig:
+        if self.anonymize_key is None and self.anonymize_key_file is not None:
+            self.anonymize_key = _read_secret_file(self.anonymize_key_file, "anonymize_key_file")
+        return self
+
+
+class TlsConfig(_Model):
+    """TLS on both sides, PgBouncer's names."""
+
+    client_tls_sslmode: SslMode = "disable"
+    client_tls_cert_file: str | None = None
+    client_tls_key_file: str | None = None
+    client_tls_ca_file: str | None = None
+    server_tls_sslmode: SslMode = "prefer"
+    server_tls_ca_file: str | None = None
+    server_tls_cert_file: str | None = None
+    server_tls_key_file: str | None = None
+
+
+class LogConfig(_Model):
+    """Logging to stderr."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+    log_queries: bool = False
+
+
+def _read_secret_file(path: str, key: str) -> str:
+    try:
+        value = Path(path).expanduser().read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise _problem(key, f"cannot read {path!r}: {exc.strerror or exc}") from None
+    if not value:
+        raise _problem(key, f"{path!r} is empty")
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# Database URLs and targets
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class DatabaseTarget:
+    """A backend database as the pool sees it; ``name`` is what clients ask for."""
+
+    name: str
+    host: str
+    port: int
+    dbname: str
+    user: str | None
+    password: str | None
+    params: dict[str, str] = field(default_factory=dict)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+
+    def __repr__(self) -> str:
+        # Never print the password, even by accident in a log line.
+        password = MASK if self.password is not None else None
+        return (
+            f"DatabaseTarget(name={self.name!r}, host={self.host!r}, port={self.port}, "
+            f"dbname={self.dbname!r}, user={self.user!r}, password={password!r}, "
+            f"params={self.params!r})"
+        )
+
+
+@dataclass(frozen=True)
+class _ParsedUrl:
+    host: str
+    port: int
+    dbname: str | None
+    user: str | None
+    password: str | None
+    params: dict[str, str]
+
+
+def _parse_database_url(url: str) -> _ParsedUrl:
+    """Parse a libpq-style URL; raises ValueError with a readable message."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL ({exc})") from None
+    if parts.scheme not in ("postgres", "postgresql"):
+        raise ValueError(f"expected a postgres:// or postgresql:// URL, found {_mask_url(url)!r}")
+    hostinfo = parts.netloc.rpartition("@")[2]
+    if "," in hostinfo:
+        raise ValueError("several hosts in one URL are not supported")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"bad port in {_mask_url(url)!r}") from None
+
+    params = dict(parse_qsl(parts.query, keep_blank_values=True))
+    # libpq lets connection parameters live in the query string too.
+    user = params.pop("user", None) or (unquote(parts.username) if parts.username else None)
+    password = params.pop("password", None)
+    if password is None and parts.password is not None:
+        password = unquote(parts.password)
+    host = params.pop("host", None) or parts.hostname or "localhost"
+    port_param = params.pop("port", None)
+    if port_param is not None:
+        if not port_param.isdigit():
+            raise ValueError(f"bad port {port_param!r}")
+        port = int(port_param)
+    dbname = params.pop("dbname", None) or unquote(parts.path.lstrip("/")) or user
+    return _ParsedUrl(
+        host=host,
+        port=port if port is not None else 5432,
+        dbname=dbname,
+        user=user,
+        password=password,
+        params=params,
+    )
+
+
+def _mask_url(url: str) -> str:
+    """The URL with its password (in the authority or the query) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return MASK
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hostinfo = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:{MASK}@{hostinfo}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k == "password" for k, _ in pairs):
+            query = urlencode([(k, MASK if k == "password" else v) for k, v in pairs], safe="*/")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+# --------------------------------------------------------------------------- #
+# The whole config
+# --------------------------------------------------------------------------- #
+
+# Sections that may be written as an empty YAML key (``pool:``) to mean "defaults".
+_EMPTY_MEANS_DEFAULT = (
+    "databases",
+    "pool",
+    "timeouts",
+    "circuit_breaker",
+    "admin",
+    "observability",
+    "health",
+    "peers",
+    "tls",
+    "log",
+)
+
+
+class Config(_Model):
+    """The complete, validated scry configuration."""
+
+    listen_addr: str = "127.0.0.1:6432"
+    database_url: str | None = None
+    databases: dict[str, DatabaseConfig] = Field(default_factory=dict)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    auth: AuthConfig | None = None
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    workers: int | Literal["auto"] = 1
+    #: peer id -> "host:port" of another scry instance, for cancel forwarding.
+    peers: dict[int, str] = Field(default_factory=dict)
+    tls: TlsConfig = Field(default_factory=TlsConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    max_packet_size: Int = Field(1073741823, ge=1024)
+
+    _check_addr = field_validator("listen_addr")(_validate_listen_addr)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {
+                k: ({} if v is None and k in _EMPTY_MEANS_DEFAULT else v) for k, v in data.items()
+            }
+        return data
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        # Validated by hand: pydantic's union errors would be reported twice.
+        if value == "auto":
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
+            return int(value)
+        raise PydanticCustomError("workers", "expected a positive integer or 'auto'")
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, value: dict[int, str]) -> dict[int, str]:
+        for peer_id, addr in value.items():
+            try:
+                split_host_port(addr)
+            except ValueError as exc:
+                raise _problem(str(peer_id), str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_databases(self) -> Config:
+        if not self.database_url and not self.databases:
+            raise PydanticCustomError("no_database", "config needs database_url or databases")
+        # Parse every URL and merge every pool now, so a bad one stops start-up.
+        try:
+            self.targets()
+        except ConfigError as exc:
+            raise PydanticCustomError(
+                "scry_problems", "{detail}", {"detail": str(exc), "problems": exc.problems}
+            ) from None
+        return self
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        """``listen_addr`` split into host and port."""
+        return split_host_port(self.listen_addr)
+
+    def targets(self) -> dict[str, DatabaseTarget]:
+        """The backend databases by client-visible name.
+
+        ``database_url`` alone is served under its own database name; entries of
+        ``databases:`` win when both use the same name.
+        """
+        result: dict[str, DatabaseTarget] = {}
+        problems: list[str] = []
+        if self.database_url:
+            try:
+                parsed = _parse_database_url(self.database_url)
+                if not parsed.dbname:
+                    raise ValueError("the URL names no database (and no user to default to)")
+                result[parsed.dbname] = _target(parsed.dbname, parsed, self.pool)
+            except ValueError as exc:
+                problems.append(f"database_url: {exc}")
+        for name, db in self.databases.items():
+            key = f"databases.{name}"
+            try:
+                parsed = _parse_database_url(db.database_url)
+            except ValueError as exc:
+                problems.append(f"{key}.database_url: {exc}")
+                continue
+            try:
+                pool = db.pool.merged_with(self.pool) if db.pool else self.pool
+            except ValidationError as exc:
+                problems.extend(_problems_from_validation(exc, prefix=(*key.split("."), "pool")))
+                continue
+            result[name] = _target(name, parsed, pool)
+        if problems:
+            raise ConfigError("\n".join(problems), problems=problems)
+        return result
+
+    def masked_dict(self) -> dict[str, Any]:
+        """The effective config as plain data, with every secret replaced by ``***``."""
+        data = self.model_dump(mode="json")
+        if data.get("database_url"):
+            data["database_url"] = _mask_url(data["database_url"])
+        for db in data.get("databases", {}).values():
+            db["database_url"] = _mask_url(db["database_url"])
+        if data["admin"].get("token") is not None:
+            data["admin"]["token"] = MASK
+        if data["observability"].get("anonymize_key") is not None:
+            data["observability"]["anonymize_key"] = MASK
+        if data.get("auth"):
+            for user in data["auth"]["users"]:
+                if user.get("password") is not None:
+                    user["password"] = MASK
+        return data
+
+
+def _target(name: str, parsed: _ParsedUrl, pool: PoolConfig) -> DatabaseTarget:
+    return DatabaseTarget(
+        name=name,
+        host=parsed.host,
+        port=parsed.port,
+        # PgBouncer's rule: an unnamed backend database is the client-visible one.
+        dbname=parsed.dbname or name,
+        user=parsed.user,
+        password=parsed.password,
+        params=dict(parsed.params),
+        pool=pool,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Error formatting
+# --------------------------------------------------------------------------- #
+
+_EXPECTED = {
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "a boolean (true or false)",
+    "bool_type": "a boolean (true or false)",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+    "list_type": "a list",
+    "bool_not_number": "a number",
+}
+
+
+def _join_loc(loc: Iterable[str | int]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int) and out:
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Keys whose values must not be echoed back in an error message.
+_SECRET_KEYS = frozenset({"password", "token", "anonymize_key", "database_url"})
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    value = error.get("input")
+    if error["loc"] and error["loc"][-1] in _SECRET_KEYS:
+        found = f", found a value of type {type(value).__name__}"
+    else:
+        found = f", found {_short_repr(value)}"
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "literal_error":
+        return f"expected one of {ctx.get('expected')}{found}"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        sign = {
+            "greater_than_equal": ">=",
+            "greater_than": ">",
+            "less_than_equal": "<=",
+            "less_than": "<",
+        }[kind]
+        bound = next(iter(ctx.values()), "?")
+        return f"expected a number {sign} {bound}{found}"
+    if kind == "string_too_short":
+        return f"expected a non-empty string{found}"
+    if kind in _EXPECTED:
+        return f"expected {_EXPECTED[kind]}{found}"
+    if kind in ("scry_problem", "scry_problems", "no_database"):
+        return str(error["msg"])
+    if kind in ("listen_addr",):
+        return str(error["msg"])
+    if kind == "workers":
+        return f"{error['msg']}{found}"
+    # Fall back to pydantic's own sentence, which is clear for the rest.
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    return f"{msg}{found}"
+
+
+def _problems_from_validation(exc: ValidationError, prefix: tuple[str, ...] = ()) -> list[str]:
+    problems: list[str] = []
+    for error in exc.errors(include_url=False):
+        loc = (*prefix, *error["loc"])
+        ctx = error.get("ctx") or {}
+        if error["type"] == "scry_problems":
+            problems.extend(f"{_join_loc(loc)}.{p}" if loc else p for p in ctx.get("problems", []))
+            continue
+        if error["type"] == "scry_problem":
+            loc = (*loc, *str(ctx["field"]).split("."))
+        message = _describe(error)
+        if error["type"] == "extra_forbidden":
+            message += _suggestion(loc)
+        path = _join_loc(loc)
+        problems.append(f"{path}: {message}" if path else message)
+    return problems
+
+
+def _suggestion(loc: tuple[str | int, ...]) -> str:
+    """`` (did you mean 'size'?)`` for a misspelled key, or nothing."""
+    parent = _model_at(tuple(str(p) for p in loc[:-1]))
+    if parent is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1, cutoff=0.7)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------- #
+# Walking the schema (for env vars and suggestions)
+# --------------------------------------------------------------------------- #
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Strip Annotated[...] and ``X | None`` down to X."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _unwrap(args[0])
+    return annotation
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _model_at(path: tuple[str, ...]) -> type[BaseModel] | None:
+    annotation = _annotation_at(path)
+    return annotation if _is_model(annotation) else None
+
+
+def _annotation_at(path: tuple[str, ...]) -> Any:
+    """The (unwrapped) type at a key path of Config, or None if no such path."""
+    annotation: Any = Config
+    for part in path:
+        if _is_model(annotation):
+            info = annotation.model_fields.get(part)
+            if info is None:
+                return None
+            annotation = _unwrap(info.annotation)
+        elif typing.get_origin(annotation) is dict:
+            # Any key is fine inside a map (database names, peer ids).
+            annotation = _unwrap(typing.get_args(annotation)[1])
+        else:
+            return None
+    return annotation
+
+
+def _is_string_leaf(annotation: Any) -> bool:
+    return annotation is str
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, tuple[str, ...], Any]]:
+    """``(var, key path, value)`` for each SCRY_ config variable, sorted for determinism.
+
+    Unknown variables that look like config paths (contain ``__``, start with a
+    top-level key, or are a near-miss of one) are an error: a typo must not be
+    silently ignored. Other SCRY_ variables may belong to other tools.
+    """
+    overrides = []
+    problems = []
+    top_level = list(Config.model_fields)
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in NON_CONFIG_ENV_VARS:
+            continue
+        raw = env[var]
+        path = tuple(p.lower() for p in var[len(ENV_PREFIX) :].split("__"))
+        annotation = _annotation_at(path) if all(path) else None
+        if annotation is None:
+            looks_like_config = (
+                "__" in var[len(ENV_PREFIX) :]
+                or path[0] in top_level
+                or difflib.get_close_matches(path[0], top_level, n=1, cutoff=0.8)
+            )
+            if looks_like_config:
+                close = difflib.get_close_matches(var, _known_env_vars(), n=1, cutoff=0.8)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                problems.append(f"{var}: no such config setting{hint}")
+            continue
+        if _is_string_leaf(annotation):
+            value: Any = raw  # keep "12345" a string for tokens and passwords
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError as exc:
+                problems.append(f"{var}: not a valid YAML value ({exc})")
+                continue
+        overrides.append((var, path, value))
+    if problems:
+        raise ConfigError(
+            _summarize(problems, "environment"), problems=problems, source="environment"
+        )
+    return overrides
+
+
+def _known_env_vars() -> list[str]:
+    """Env var names for every fixed key path (maps like ``databases`` not expanded)."""
+    names: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            var = f"{prefix}{name.upper()}"
+            names.append(var)
+            annotation = _unwrap(info.annotation)
+            if _is_model(annotation):
+                walk(annotation, var + "__")
+
+    walk(Config, ENV_PREFIX)
+    return names
+
+
+def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, origin: str) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            where = ".".join(path[: i + 1])
+            raise ConfigError(f"{origin}: {where} is not a mapping, cannot set {'.'.join(path)}")
+        node = child
+    # YAML map keys that are ints (peers) are matched by their text.
+    key: Any = path[-1]
+    if path[:-1] == ("peers",) and key.isdigit():
+        key = int(key)
+    node[key] = value
+
+
+# --------------------------------------------------------------------------- #
+# Loading
+# --------------------------------------------------------------------------- #
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file", source=path) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}", source=path) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}: YAML syntax error: {problem}", source=path) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping of settings at the top level, found {type(data).__name__}",
+            source=path,
+        )
+    return data
+
+
+def _summarize(problems: list[str], source: str | None) -> str:
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}" if source else problems[0]
+    where = f" in {source}" if source else ""
+    return f"{len(problems)} problems{where}:\n" + "\n".join(f"  {p}" for p in problems)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load and validate the config.
+
+    ``path`` is a YAML file, or None for a config from the environment alone.
+    ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+    ``overrides`` maps dotted key paths to values (command-line flags) and wins
+    over everything else. Raises :class:`ConfigError` on any problem.
+    """
+    source = os.fspath(path) if path is not None else None
+    data = _read_yaml(source) if source is not None else {}
+    env = os.environ if env is None else env
+
+    origins: dict[str, str] = {}  # dotted key -> the env var / flag that set it
+    for var, key_path, value in _env_overrides(env):
+        _set_path(data, key_path, value, var)
+        origins[".".join(key_path)] = var
+    for dotted, value in (overrides or {}).items():
+        _set_path(data, tuple(dotted.split(".")), value, dotted)
+        origins[dotted] = "command line"
+
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems = [_annotate_origin(p, origins) for p in _problems_from_validation(exc)]
+        raise ConfigError(
+            _summarize(problems, source or "environment"),
+            problems=problems,
+            source=source or "environment",
+        ) from None
+
+
+def _annotate_origin(problem: str, origins: Mapping[str, str]) -> str:
+    key = problem.partition(": ")[0]
+    for dotted, origin in origins.items():
+        if key == dotted or key.startswith(dotted + ".") or key.startswith(dotted + "["):
+            return f"{problem} (set by {origin})"
+    return problem

@@ -1,0 +1,279 @@
+"""Server pools: one per (database, server user), FIFO waiters, idle reuse.
+
+A pool hands idle servers to clients synchronously (``acquire_nowait``) so the
+hot path never awaits; only when none is idle does a client queue, and a
+released server then goes straight to the oldest waiter. New connections are
+opened only for waiting clients (or to keep ``min_size``) and never beyond
+``size``. If PostgreSQL cannot be reached and the pool has no server left,
+waiting clients are told at once instead of hanging until a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from scry.config import DatabaseTarget, PoolConfig
+from scry.log import event
+from scry.protocol.errors import CONNECTION_FAILURE
+from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError
+
+if TYPE_CHECKING:
+    from scry.client import ClientConnection
+    from scry.proxy import Proxy
+
+# libpq connection options that are not server settings and must not be sent
+# in a StartupMessage.
+_LIBPQ_ONLY = frozenset(
+    {
+        "sslmode", "sslcert", "sslkey", "sslrootcert", "sslcrl", "sslpassword",
+        "sslcompression", "sslsni", "requiressl", "ssl_min_protocol_version",
+        "ssl_max_protocol_version", "gssencmode", "krbsrvname", "gsslib",
+        "channel_binding", "connect_timeout", "host", "hostaddr", "port",
+        "passfile", "target_session_attrs", "load_balance_hosts", "keepalives",
+        "keepalives_idle", "keepalives_interval", "keepalives_count",
+        "tcp_user_timeout", "service", "fallback_application_name", "require_auth",
+        "user", "password", "dbname",
+    }
+)  # fmt: skip
+
+
+class Pool:
+    """Server connections to one database as one user."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        target: DatabaseTarget,
+        server_user: str,
+        server_password: str | None,
+    ) -> None:
+        self.proxy = proxy
+        self.target = target
+        self.settings: PoolConfig = target.pool
+        self.server_user = server_user
+        self.server_password = server_password
+        self.name = f"{target.name}/{server_user}"
+        self.startup_params = {k: v for k, v in target.params.items() if k not in _LIBPQ_ONLY}
+        self.max_message_size = proxy.config.max_packet_size
+        self.idle: deque[ServerConnection] = deque()
+        self.active: set[ServerConnection] = set()
+        self.servers: set[ServerConnection] = set()  # every logged-in server
+        self.connecting = 0
+        self.waiters: deque[ClientConnection] = deque()
+        self.welcome: dict[str, str] | None = None  # ParameterStatus set for new clients
+        self._welcome_future: asyncio.Future[None] | None = None
+        self.last_error: Exception | None = None
+        self._retry_handle: asyncio.TimerHandle | None = None
+        self._connect_failures = 0
+        self.stale = False  # config changed: retire servers as they come back
+        # Counters for SHOW/admin views.
+        self.total_wait_us = 0
+        self.max_wait_started: float | None = None
+        self.servers_opened = 0
+        self.servers_closed = 0
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    @property
+    def size(self) -> int:
+        return self.settings.size
+
+    # --- handing out servers -------------------------------------------------
+
+    def acquire_nowait(self) -> ServerConnection | None:
+        """An idle server, already counted as active; None if the client must wait."""
+        idle = self.idle
+        while idle:
+            server = idle.pop()  # most recently used first: its caches are warm
+            if server.state is IDLE:
+                self.active.add(server)
+                return server
+        return None
+
+    def wait(self, client: ClientConnection) -> None:
+        """Queue ``client`` (FIFO) until a server is released or opened for it."""
+        self.waiters.append(client)
+        self._open_for_waiters()
+
+    def cancel_wait(self, client: ClientConnection) -> None:
+        try:
+            self.waiters.remove(client)
+        except ValueError:
+            pass
+
+    def release(self, server: ServerConnection) -> None:
+        """Take a server back from a client (or from login/reset)."""
+        self.active.discard(server)
+        if server.state is CLOSED:
+            return
+        if not server.clean:
+            server.close("released while not idle")
+            return
+        if self.stale or self._expired(server, time.monotonic()):
+            server.close("server_lifetime" if not self.stale else "config changed")
+            self._open_for_waiters()
+            return
+        waiters = self.waiters
+        while waiters:
+            client = waiters.popleft()
+            if client.attach(server):
+                self.active.add(server)
+                return
+        self.idle.append(server)
+
+    def release_with_reset(self, server: ServerConnection, query: str) -> None:
+        """Run the reset query (session pooling), then release."""
+        self.active.add(server)
+
+        def done(ok: bool) -> None:
+            self.active.discard(server)
+            if not ok:
+                server.close("server_reset_query failed")
+                return
+            if "discard all" in query.lower() or "reset all" in query.lower():
+                server.applied = {}
+            self.release(server)
+
+        server.run_internal(query, done)
+
+    def _expired(self, server: ServerConnection, now: float) -> bool:
+        lifetime = self.proxy.config.timeouts.server_lifetime
+        return bool(lifetime) and now - server.created_at > lifetime
+
+    # --- opening servers -----------------------------------------------------------
+
+    def _open_for_waiters(self) -> None:
+        want = min(len(self.waiters), self.size - len(self.servers)) - self.connecting
+        for _ in range(max(0, want)):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self.connecting += 1
+        asyncio.get_running_loop().create_task(self._connect_one())
+
+    async def _connect_one(self) -> None:
+        server = ServerConnection(self)
+        try:
+            await server.connect(self.proxy.config.timeouts.server_connect_timeout)
+        except Exception as exc:  # any failure to reach or log in
+            self.connecting -= 1
+            self._on_connect_failed(exc)
+            return
+        self.connecting -= 1
+        self._connect_failures = 0
+        self.last_error = None
+        self.servers.add(server)
+        self.servers_opened += 1
+        event(
+            "server connected",
+            server=server.id,
+            pool=self.name,
+            local=server.local_addr,
+            backend_pid=server.backend_pid,
+        )
+        if self.welcome is None:
+            self.welcome = dict(server.params)
+        self._resolve_welcome(None)
+        self.release(server)
+
+    def _on_connect_failed(self, exc: Exception) -> None:
+        self.last_error = exc
+        self._connect_failures += 1
+        event(
+            "server connection failed",
+            logging.WARNING,
+            pool=self.name,
+            host=self.target.host,
+            port=self.target.port,
+            error=str(exc) or type(exc).__name__,
+        )
+        self._resolve_welcome(exc)
+        if not self.servers and not self.connecting:
+            # Nothing will come back to serve the waiters: tell them now.
+            sqlstate, text = connect_error(exc)
+            while self.waiters:
+                self.waiters.popleft().fail_waiting(sqlstate, text)
+        elif self.waiters and self._retry_handle is None:
+            delay = min(5.0, 0.1 * 2 ** min(self._connect_failures, 6))
+            self._retry_handle = asyncio.get_running_loop().call_later(delay, self._retry)
+
+    def _retry(self) -> None:
+        self._retry_handle = None
+        self._open_for_waiters()
+
+    async def ensure_welcome(self) -> None:
+        """Make sure the pool knows the server's ParameterStatus set (one login)."""
+        if self.welcome is not None:
+            return
+        if self._welcome_future is None:
+            self._welcome_future = asyncio.get_running_loop().create_future()
+            if len(self.servers) + self.connecting < self.size:
+                self._spawn()
+        await asyncio.shield(self._welcome_future)
+
+    def _resolve_welcome(self, exc: Exception | None) -> None:
+        fut = self._welcome_future
+        if fut is None or fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved; each waiter re-raises its own copy
+        self._welcome_future = None
+
+    # --- bookkeeping ------------------------------------------------------------------
+
+    def on_server_closed(self, server: ServerConnection, was_up: bool) -> None:
+        if not was_up:
+            return
+        self.servers.discard(server)
+        self.active.discard(server)
+        try:
+            self.idle.remove(server)
+        except ValueError:
+            pass
+        self.servers_closed += 1
+        event("server closed", server=server.id, pool=self.name, reason=server.close_reason)
+        if self.waiters:
+            self._open_for_waiters()
+
+    def maintain(self, now: float) -> None:
+        """Janitor pass: retire old or long-idle servers, keep ``min_size`` open."""
+        timeouts = self.proxy.config.timeouts
+        keep = self.settings.min_size
+        for server in list(self.idle):
+            if self._expired(server, now):
+                server.close("server_lifetime")
+            elif (
+                timeouts.server_idle_timeout
+                and now - server.last_used > timeouts.server_idle_timeout
+                and len(self.servers) > keep
+            ):
+                server.close("server_idle_timeout")
+        missing = keep - len(self.servers) - self.connecting
+        if missing > 0 and self._retry_handle is None and not self.proxy.draining:
+            for _ in range(missing):
+                self._spawn()
+
+    def close_all(self, reason: str) -> None:
+        for server in list(self.servers):
+            server.close(reason)
+        if self._retry_handle is not None:
+            self._retry_handle.cancel()
+            self._retry_handle = None
+
+
+def connect_error(exc: Exception) -> tuple[str, str]:
+    """The SQLSTATE and message a client gets when its server could not be opened."""
+    if isinstance(exc, ServerLoginError):
+        return exc.sqlstate, f"server login failed: {exc}"
+    if isinstance(exc, asyncio.TimeoutError):
+        return CONNECTION_FAILURE, "server_connect_timeout: could not connect to the server in time"
+    return CONNECTION_FAILURE, f"could not connect to the server: {exc or type(exc).__name__}"

@@ -1,0 +1,229 @@
+"""Password authentication exchanges, both directions, without I/O.
+
+``ClientAuthExchange``
+    scry authenticating a connecting client (trust, cleartext, md5,
+    scram-sha-256). Feed it the client's password messages; it says what to
+    send back and when the client is in or out.
+
+``BackendAuthExchange``
+    scry authenticating itself to PostgreSQL with the credentials of a
+    ``database_url``: answers AuthenticationCleartext/MD5/SASL requests.
+
+SCRAM is done by scramp; md5 is PostgreSQL's ``md5(md5(password || user) || salt)``.
+A stored secret may be plaintext, an md5 secret (``md5`` + 32 hex digits, as in
+PgBouncer's userlist.txt) or a SCRAM secret (``SCRAM-SHA-256$iter:salt$stored:server``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from scramp import ScramClient, ScramException, ScramMechanism
+
+from scry.protocol import messages as m
+from scry.protocol.errors import INVALID_AUTHORIZATION, INVALID_PASSWORD, PROTOCOL_VIOLATION
+
+SCRAM_SHA_256 = "SCRAM-SHA-256"
+_scram = ScramMechanism(SCRAM_SHA_256)
+
+
+def md5_secret(user: str, password: str) -> str:
+    """PostgreSQL's stored md5 form of a password: ``md5`` + md5(password || user)."""
+    return "md5" + hashlib.md5((password + user).encode()).hexdigest()
+
+
+def md5_response(secret: str, salt: bytes) -> str:
+    """What a client sends for AuthenticationMD5Password, from the md5 secret."""
+    return "md5" + hashlib.md5(secret[3:].encode() + salt).hexdigest()
+
+
+def secret_kind(secret: str) -> str:
+    """``plain``, ``md5`` or ``scram`` for a stored secret."""
+    if secret.startswith(SCRAM_SHA_256 + "$"):
+        return "scram"
+    if len(secret) == 35 and secret.startswith("md5"):
+        try:
+            int(secret[3:], 16)
+            return "md5"
+        except ValueError:
+            pass
+    return "plain"
+
+
+def scram_auth_info(secret: str) -> tuple[bytes, bytes, bytes, int]:
+    """scramp's auth info (salt, stored_key, server_key, iterations) for a secret."""
+    if secret_kind(secret) == "scram":
+        _, params, keys = secret.split("$")
+        iterations, salt = params.split(":")
+        stored, server = keys.split(":")
+        return (
+            base64.b64decode(salt),
+            base64.b64decode(stored),
+            base64.b64decode(server),
+            int(iterations),
+        )
+    salt, stored, server, iterations = _scram.make_auth_info(secret, iteration_count=4096)
+    return salt, stored, server, iterations
+
+
+@dataclass(frozen=True, slots=True)
+class AuthStep:
+    """What to do after a client message: send ``reply``; ``done`` if authenticated."""
+
+    reply: bytes = b""
+    done: bool = False
+    error: tuple[str, str] | None = None  # (sqlstate, message) -> FATAL and close
+
+
+class ClientAuthExchange:
+    """Authenticate a client by ``method`` against a stored ``secret``.
+
+    ``secret`` None means the user is unknown: the exchange still runs to the
+    end (so a probe cannot tell unknown users from wrong passwords) and fails.
+    """
+
+    def __init__(self, method: str, user: str, secret: str | None) -> None:
+        self.user = user
+        self._secret = secret
+        kind = secret_kind(secret) if secret is not None else "plain"
+        # As PostgreSQL does: an md5 request cannot be answered from a SCRAM
+        # secret, so such users are asked for SCRAM instead.
+        if method == "md5" and kind == "scram":
+            method = "scram-sha-256"
+        if method == "scram-sha-256" and kind == "md5":
+            method = "md5"
+        self.method = method
+        self._salt = os.urandom(4)
+        self._scram_server: Any = None
+
+    def start(self) -> AuthStep:
+        """The first message to send after the StartupMessage."""
+        if self.method in ("trust", "any"):
+            return AuthStep(done=True)
+        if self.method == "plain":
+            return AuthStep(reply=m.auth_cleartext_password())
+        if self.method == "md5":
+            return AuthStep(reply=m.auth_md5_password(self._salt))
+        if self.method == "scram-sha-256":
+            return AuthStep(reply=m.auth_sasl([SCRAM_SHA_256]))
+        return AuthStep(error=(INVALID_AUTHORIZATION, f"unsupported auth method {self.method}"))
+
+    def handle(self, kind: int, body: bytes) -> AuthStep:
+        """Process one message from the client during authentication."""
+        if kind != m.PASSWORD[0]:
+            return AuthStep(error=(PROTOCOL_VIOLATION, "expected a password response"))
+        if self.method == "plain":
+            return self._check_plain(body.rstrip(b"\x00").decode(errors="replace"))
+        if self.method == "md5":
+            return self._check_md5(body.rstrip(b"\x00").decode(errors="replace"))
+        return self._scram_step(body)
+
+    def _failed(self) -> AuthStep:
+        return AuthStep(
+            error=(INVALID_PASSWORD, f'password authentication failed for user "{self.user}"')
+        )
+
+    def _check_plain(self, given: str) -> AuthStep:
+        secret = self._secret
+        if secret is None:
+            return self._failed()
+        kind = secret_kind(secret)
+        if kind == "plain":
+            ok = hmac.compare_digest(given.encode(), secret.encode())
+        elif kind == "md5":
+            ok = hmac.compare_digest(md5_secret(self.user, given), secret)
+        else:
+            salt, stored, server, iterations = scram_auth_info(secret)
+            _, stored2, server2, _ = _scram.make_auth_info(given, iterations, salt)
+            ok = hmac.compare_digest(stored, stored2)
+        return AuthStep(done=True) if ok else self._failed()
+
+    def _check_md5(self, given: str) -> AuthStep:
+        secret = self._secret
+        if secret is None:
+            return self._failed()
+        if secret_kind(secret) == "plain":
+            secret = md5_secret(self.user, secret)
+        expected = md5_response(secret, self._salt)
+        return AuthStep(done=True) if hmac.compare_digest(given, expected) else self._failed()
+
+    def _scram_step(self, body: bytes) -> AuthStep:
+        try:
+            if self._scram_server is None:
+                mechanism, data = m.parse_sasl_initial_response(body)
+                if mechanism != SCRAM_SHA_256:
+                    return AuthStep(
+                        error=(PROTOCOL_VIOLATION, f"unsupported SASL mechanism {mechanism}")
+                    )
+                secret = self._secret
+                # Unknown user: run the exchange against a random secret and fail.
+                info = scram_auth_info(secret if secret is not None else os.urandom(16).hex())
+                self._scram_server = _scram.make_server(lambda _username: info)
+                self._scram_server.set_client_first(data.decode())
+                return AuthStep(
+                    reply=m.auth_sasl_continue(self._scram_server.get_server_first().encode())
+                )
+            self._scram_server.set_client_final(body.decode())
+            if self._secret is None:
+                return self._failed()
+            return AuthStep(
+                reply=m.auth_sasl_final(self._scram_server.get_server_final().encode()),
+                done=True,
+            )
+        except ScramException:
+            return self._failed()
+        except (ValueError, UnicodeDecodeError):
+            return AuthStep(error=(PROTOCOL_VIOLATION, "malformed SASL message"))
+
+
+class BackendAuthError(Exception):
+    """PostgreSQL asked for something we cannot answer (e.g. no password configured)."""
+
+
+class BackendAuthExchange:
+    """Answer a backend's authentication requests with a user and password."""
+
+    def __init__(self, user: str, password: str | None) -> None:
+        self.user = user
+        self.password = password
+        self._scram: ScramClient | None = None
+
+    def _need_password(self) -> str:
+        if self.password is None:
+            raise BackendAuthError(
+                f'the server asked for a password for user "{self.user}" and none is configured'
+            )
+        return self.password
+
+    def respond(self, code: int, data: bytes) -> bytes | None:
+        """The reply to an Authentication request, or None when nothing is sent."""
+        if code == m.AUTH_OK or code == m.AUTH_SASL_FINAL and self._scram is None:
+            return None
+        if code == m.AUTH_CLEARTEXT:
+            return m.password_message(self._need_password().encode())
+        if code == m.AUTH_MD5:
+            password = self._need_password()
+            secret = password if secret_kind(password) == "md5" else md5_secret(self.user, password)
+            return m.password_message(md5_response(secret, data[:4]).encode())
+        if code == m.AUTH_SASL:
+            mechanisms = m.parse_sasl_mechanisms(data)
+            if SCRAM_SHA_256 not in mechanisms:
+                raise BackendAuthError(f"server offers no supported SASL mechanism: {mechanisms}")
+            self._scram = ScramClient([SCRAM_SHA_256], self.user, self._need_password())
+            first = self._scram.get_client_first().encode()
+            return m.sasl_initial_response(SCRAM_SHA_256, first)
+        if code == m.AUTH_SASL_CONTINUE and self._scram is not None:
+            self._scram.set_server_first(data.decode())
+            return m.sasl_response(self._scram.get_client_final().encode())
+        if code == m.AUTH_SASL_FINAL and self._scram is not None:
+            try:
+                self._scram.set_server_final(data.decode())
+            except ScramException as exc:
+                raise BackendAuthError(f"server's SCRAM signature is invalid: {exc}") from exc
+            return None
+        raise BackendAuthError(f"unsupported authentication request {code} from the server")

@@ -1,0 +1,165 @@
+"""Framing: cut a PostgreSQL v3 byte stream into messages.
+
+Two readers, for two jobs:
+
+``MessageReader``
+    Hands out whole messages as ``(type, body)``. Used where every message
+    matters and volume is low: login, authentication, backend setup.
+
+``MessageScanner``
+    The relay's hot path. It walks message headers in each received chunk,
+    never copies a body it was not asked for, and returns the chunk ready to
+    forward together with the few messages the proxy must look at (with their
+    end offsets, so the caller can split the chunk at a message boundary).
+    A header cut by a chunk boundary is held back until it is complete, so a
+    forwarded chunk never ends inside a header; bodies may span chunks.
+
+Both reject a length below 4 or above ``max_message_size`` with
+``ProtocolViolation`` (08P01) before buffering anything.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+from scry.protocol.errors import ProtocolViolation
+
+_LEN = struct.Struct("!I")
+_unpack_len = _LEN.unpack_from
+
+DEFAULT_MAX_MESSAGE_SIZE = 0x3FFFFFFF  # PostgreSQL's own ceiling (MaxAllocSize - 1)
+DEFAULT_MAX_COLLECT = 1 << 20  # largest body the scanner copies out for the caller
+
+
+def _check_length(kind: int, length: int, limit: int) -> None:
+    if length < 4:
+        raise ProtocolViolation(f"invalid message length {length} for message type {chr(kind)!r}")
+    if length - 4 > limit:
+        raise ProtocolViolation(
+            f"message of type {chr(kind)!r} claims {length - 4} bytes, "
+            f"over the {limit}-byte limit (max_packet_size)"
+        )
+
+
+class MessageReader:
+    """Accumulates bytes and yields complete ``(type, body)`` messages."""
+
+    __slots__ = ("_buf", "_max")
+
+    def __init__(self, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> None:
+        self._buf = bytearray()
+        self._max = max_message_size
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next_message(self) -> tuple[int, bytes] | None:
+        """The next whole message, or None until more bytes arrive."""
+        buf = self._buf
+        if len(buf) < 5:
+            return None
+        kind = buf[0]
+        (length,) = _unpack_len(buf, 1)
+        _check_length(kind, length, self._max)
+        end = 1 + length
+        if len(buf) < end:
+            return None
+        body = bytes(buf[5:end])
+        del buf[:end]
+        return kind, body
+
+    def messages(self) -> list[tuple[int, bytes]]:
+        """All complete messages buffered so far."""
+        out = []
+        while (msg := self.next_message()) is not None:
+            out.append(msg)
+        return out
+
+    def take_remaining(self) -> bytes:
+        """Bytes buffered after the last whole message (handed on at a phase change)."""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        return rest
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+# An event is (message type, end offset in the forwarded chunk, body or b"").
+ScanEvent = tuple[int, int, bytes]
+
+
+class MessageScanner:
+    """Finds the messages of interest in a stream without copying the rest."""
+
+    __slots__ = ("_want", "_max", "_max_collect", "_held", "_remaining", "_collect", "_kind")
+
+    def __init__(
+        self,
+        want: Iterable[bytes | int],
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_collect: int = DEFAULT_MAX_COLLECT,
+    ) -> None:
+        self._want = frozenset(w[0] if isinstance(w, bytes) else w for w in want)
+        self._max = max_message_size
+        self._max_collect = max_collect
+        self._held = b""  # an incomplete header from the previous chunk
+        self._remaining = 0  # body bytes of the current message still to come
+        self._collect: bytearray | None = None  # body being gathered across chunks
+        self._kind = 0
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when the stream so far ends exactly between two messages."""
+        return not self._remaining and not self._held
+
+    def feed(self, data: bytes) -> tuple[bytes, list[ScanEvent]]:
+        """Scan ``data``; return (bytes to forward, wanted messages completed in them)."""
+        if self._held:
+            data = self._held + data
+            self._held = b""
+        events: list[ScanEvent] = []
+        n = len(data)
+        pos = self._remaining
+        if pos:
+            collect = self._collect
+            if pos > n:
+                if collect is not None:
+                    self._gather(collect, data)
+                self._remaining = pos - n
+                return data, events
+            if collect is not None:
+                self._gather(collect, data[:pos])
+                events.append((self._kind, pos, bytes(collect)))
+                self._collect = None
+            self._remaining = 0
+        want = self._want
+        limit = self._max
+        while True:
+            if n - pos < 5:
+                if pos < n:
+                    self._held = data[pos:]
+                    data = data[:pos]
+                return data, events
+            kind = data[pos]
+            (length,) = _unpack_len(data, pos + 1)
+            if length < 4 or length - 4 > limit:
+                _check_length(kind, length, limit)
+            end = pos + 1 + length
+            if end > n:
+                self._remaining = end - n
+                if kind in want:
+                    self._kind = kind
+                    self._collect = bytearray()
+                    self._gather(self._collect, data[pos + 5 :])
+                return data, events
+            if kind in want:
+                events.append((kind, end, data[pos + 5 : end]))
+            pos = end
+
+    def _gather(self, collect: bytearray, part: bytes) -> None:
+        room = self._max_collect - len(collect)
+        if room > 0:
+            collect += part[:room]

@@ -1,0 +1,115 @@
+"""The first packet of a connection: StartupMessage, SSLRequest, GSSENCRequest, CancelRequest.
+
+These packets have no type byte: an int32 length (including itself), then an
+int32 code. PostgreSQL caps them at 10,000 bytes; so do we.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from scry.protocol.errors import PROTOCOL_VIOLATION, ProtocolViolation
+
+MAX_STARTUP_PACKET = 10000
+PROTOCOL_3_0 = 196608  # 3 << 16
+SSL_REQUEST_CODE = 80877103
+GSSENC_REQUEST_CODE = 80877104
+CANCEL_REQUEST_CODE = 80877102
+
+_HEAD = struct.Struct("!ii")
+
+
+@dataclass(frozen=True, slots=True)
+class StartupMessage:
+    protocol: int
+    params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def user(self) -> str:
+        return self.params.get("user", "")
+
+    @property
+    def database(self) -> str:
+        return self.params.get("database") or self.user
+
+
+@dataclass(frozen=True, slots=True)
+class SSLRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class GSSENCRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    pid: int
+    secret: int
+
+
+StartupPacket = StartupMessage | SSLRequest | GSSENCRequest | CancelRequest
+
+
+def read_startup_packet(buf: bytes | bytearray) -> tuple[StartupPacket, int] | None:
+    """Parse one startup-phase packet from the front of ``buf``.
+
+    Returns (packet, bytes consumed), or None if more bytes are needed.
+    Raises ProtocolViolation for anything malformed.
+    """
+    if len(buf) < 8:
+        return None
+    length, code = _HEAD.unpack_from(buf)
+    if length < 8 or length > MAX_STARTUP_PACKET:
+        raise ProtocolViolation(f"invalid startup packet length {length}")
+    if len(buf) < length:
+        return None
+    body = bytes(buf[8:length])
+    if code == SSL_REQUEST_CODE and length == 8:
+        return SSLRequest(), length
+    if code == GSSENC_REQUEST_CODE and length == 8:
+        return GSSENCRequest(), length
+    if code == CANCEL_REQUEST_CODE and length == 16:
+        pid, secret = struct.unpack("!iI", body)
+        return CancelRequest(pid, secret), length
+    if code >> 16 == 3:
+        return StartupMessage(code, _parse_params(body)), length
+    raise ProtocolViolation(
+        f"unsupported frontend protocol {code >> 16}.{code & 0xFFFF}: server supports 3.0",
+        PROTOCOL_VIOLATION,
+    )
+
+
+def _parse_params(body: bytes) -> dict[str, str]:
+    if not body.endswith(b"\x00"):
+        raise ProtocolViolation("startup packet is not NUL-terminated")
+    parts = body[:-1].split(b"\x00")
+    if parts and parts[-1] == b"":
+        parts.pop()
+    if len(parts) % 2:
+        raise ProtocolViolation("startup packet has a parameter name without a value")
+    try:
+        decoded = [p.decode() for p in parts]
+    except UnicodeDecodeError as exc:
+        raise ProtocolViolation("startup packet parameters are not valid UTF-8") from exc
+    params = dict(zip(decoded[::2], decoded[1::2], strict=True))
+    if not params.get("user"):
+        raise ProtocolViolation("no PostgreSQL user name specified in startup packet")
+    return params
+
+
+def startup_message(params: dict[str, str], protocol: int = PROTOCOL_3_0) -> bytes:
+    """Build a StartupMessage (what the proxy sends to a backend)."""
+    body = b"".join(k.encode() + b"\x00" + v.encode() + b"\x00" for k, v in params.items())
+    body = struct.pack("!i", protocol) + body + b"\x00"
+    return struct.pack("!i", len(body) + 4) + body
+
+
+def ssl_request() -> bytes:
+    return _HEAD.pack(8, SSL_REQUEST_CODE)
+
+
+def cancel_request(pid: int, secret: int) -> bytes:
+    return struct.pack("!iiiI", 16, CANCEL_REQUEST_CODE, pid, secret)

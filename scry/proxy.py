@@ -1,0 +1,236 @@
+"""The proxy: listeners, pools, clients, cancel keys, signals, reload, drain.
+
+``Proxy`` owns everything for one event loop. ``run_proxy`` is what
+``scry serve`` calls: it installs uvloop, starts the proxy, wires the signals
+(SIGHUP reload; SIGINT/SIGTERM drain, a second one stops at once) and returns
+an exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from scry import __version__
+from scry.auth import AuthPolicy
+from scry.config import Config, ConfigError, DatabaseTarget, load_config
+from scry.log import event, setup_logging
+from scry.pool import Pool
+
+if TYPE_CHECKING:
+    from scry.client import ClientConnection
+
+JANITOR_INTERVAL = 1.0
+
+
+class Proxy:
+    """One scry instance on one event loop."""
+
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.targets: dict[str, DatabaseTarget] = config.targets()
+        self.auth = AuthPolicy.from_config(config)
+        self.pools: dict[tuple[str, str], Pool] = {}
+        self.clients: set[ClientConnection] = set()
+        self.cancel_keys: dict[tuple[int, int], ClientConnection] = {}
+        self.listeners: list[asyncio.Server] = []
+        self.started_at = time.time()
+        self.draining = False
+        self._stopped = asyncio.Event()
+        self._janitor: asyncio.Task[None] | None = None
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from scry.client import ClientConnection
+
+        host, port = self.config.listen_host_port
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: ClientConnection(self),
+            host,
+            port,
+            reuse_address=True,
+            backlog=4096,
+        )
+        for sock in server.sockets:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.listeners.append(server)
+        self._janitor = loop.create_task(self._janitor_loop())
+        event("listening", addr=self.config.listen_addr, version=__version__,
+              mode=self.config.pool.mode, pid=os.getpid())  # fmt: skip
+
+    @property
+    def listen_port(self) -> int:
+        port: int = self.listeners[0].sockets[0].getsockname()[1]
+        return port
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def begin_drain(self) -> None:
+        """Stop accepting; finish running transactions; then stop."""
+        if self.draining:
+            return
+        self.draining = True
+        event("shutting down: waiting for active transactions", clients=len(self.clients))
+        for listener in self.listeners:
+            listener.close()
+        asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = self.config.timeouts.shutdown_timeout
+        started = time.monotonic()
+        while True:
+            # Clients without a server hold nothing: let them go now.
+            for client in list(self.clients):
+                if client.server is None:
+                    client.fatal("57P01", "scry is shutting down")
+            if not self.clients:
+                break
+            if deadline and time.monotonic() - started > deadline:
+                event("shutdown_timeout reached", logging.WARNING, clients=len(self.clients))
+                break
+            await asyncio.sleep(0.05)
+        self.stop_now()
+
+    def stop_now(self) -> None:
+        """Close everything immediately."""
+        self.draining = True
+        for listener in self.listeners:
+            listener.close()
+        for client in list(self.clients):
+            client.fatal("57P01", "terminating connection due to administrator command")
+        for pool in self.pools.values():
+            pool.close_all("shutdown")
+        if self._janitor is not None:
+            self._janitor.cancel()
+        self._stopped.set()
+
+    def reload(self) -> None:
+        """Re-read the config file; apply what can change without dropping connections."""
+        if self.config_path is None:
+            event("reload skipped: no config file", logging.WARNING)
+            return
+        try:
+            new = load_config(self.config_path)
+            auth = AuthPolicy.from_config(new)
+        except ConfigError as exc:
+            event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
+            return
+        if new.listen_addr != self.config.listen_addr:
+            event("listen_addr changed; takes effect on restart", logging.WARNING)
+        self.config = new
+        self.auth = auth
+        self.targets = new.targets()
+        for (name, _user), pool in self.pools.items():
+            target = self.targets.get(name)
+            if target is None or _connection_changed(pool.target, target):
+                pool.stale = True
+                for server in list(pool.idle):
+                    server.close("config changed")
+            else:
+                pool.target = target
+                pool.settings = target.pool
+        event("config reloaded", path=self.config_path, databases=len(self.targets))
+
+    async def _janitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(JANITOR_INTERVAL)
+            now = time.monotonic()
+            for pool in list(self.pools.values()):
+                pool.maintain(now)
+
+    # --- pools and clients ----------------------------------------------------------
+
+    def pool_for(self, target: DatabaseTarget, user: str, password: str | None) -> Pool:
+        key = (target.name, user)
+        pool = self.pools.get(key)
+        if pool is None or pool.stale:
+            pool = Pool(self, target, user, password)
+            self.pools[key] = pool
+        return pool
+
+    @property
+    def client_count(self) -> int:
+        return len(self.clients)
+
+    def on_client_connected(self, client: ClientConnection) -> None:
+        self.clients.add(client)
+
+    def on_client_closed(self, client: ClientConnection) -> None:
+        self.clients.discard(client)
+        if client.cancel_key is not None:
+            self.cancel_keys.pop(client.cancel_key, None)
+
+    def register_cancel_key(self, client: ClientConnection) -> tuple[int, int]:
+        """A fresh BackendKeyData for ``client``: scry's own, never a backend's."""
+        while True:
+            key = (random.randint(1, 2**31 - 1), random.getrandbits(32))
+            if key not in self.cancel_keys:
+                break
+        self.cancel_keys[key] = client
+        client.cancel_key = key
+        return key
+
+    def handle_cancel(self, pid: int, secret: int) -> None:
+        client = self.cancel_keys.get((pid, secret))
+        if client is not None:
+            client.cancel_current_query()
+
+
+def _connection_changed(old: DatabaseTarget, new: DatabaseTarget) -> bool:
+    return (old.host, old.port, old.dbname, old.user, old.password, old.params) != (
+        new.host,
+        new.port,
+        new.dbname,
+        new.user,
+        new.password,
+        new.params,
+    )
+
+
+async def serve(config: Config, config_path: str | None = None) -> int:
+    """Run a proxy until it is stopped by a signal."""
+    proxy = Proxy(config, config_path)
+    try:
+        await proxy.start()
+    except OSError as exc:
+        event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
+        return 1
+    loop = asyncio.get_running_loop()
+    signals = {"count": 0}
+
+    def on_stop_signal(signame: str) -> None:
+        signals["count"] += 1
+        if signals["count"] == 1:
+            event("signal received: draining", signal=signame)
+            proxy.begin_drain()
+        else:
+            event("signal received again: stopping now", signal=signame)
+            proxy.stop_now()
+
+    loop.add_signal_handler(signal.SIGINT, on_stop_signal, "SIGINT")
+    loop.add_signal_handler(signal.SIGTERM, on_stop_signal, "SIGTERM")
+    loop.add_signal_handler(signal.SIGHUP, proxy.reload)
+    await proxy.wait_stopped()
+    event("stopped")
+    return 0
+
+
+def run_proxy(config: Config, config_path: str | None) -> int:
+    """Entry point for ``scry serve``: logging, uvloop, serve until stopped."""
+    setup_logging(config.log.level, config.log.format)
+    try:
+        import uvloop
+
+        return uvloop.run(serve(config, config_path))
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+        return asyncio.run(serve(config, config_path))

@@ -1,0 +1,393 @@
+"""A connection from scry to PostgreSQL: login, relay back to a client, reset.
+
+``ServerConnection`` is an ``asyncio.Protocol``. Its life:
+
+    connecting -> login -> idle <-> active (linked to a client) -> closed
+                             \\-> internal (reset / check query, no client)
+
+While active, every chunk from PostgreSQL is scanned by a ``MessageScanner``
+for the few messages the proxy acts on (ReadyForQuery, ParameterStatus,
+ErrorResponse) and forwarded whole to the client. ``pending`` counts the
+ReadyForQuery messages still owed to the client (one per Query, Sync or
+FunctionCall sent); the link can end only when it is zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from scry.log import event
+from scry.protocol import messages as m
+from scry.protocol.auth import BackendAuthError, BackendAuthExchange
+from scry.protocol.errors import CONNECTION_FAILURE, ProtocolViolation
+from scry.protocol.framing import MessageReader, MessageScanner
+from scry.protocol.startup import cancel_request, startup_message
+
+if TYPE_CHECKING:
+    from scry.client import ClientConnection
+    from scry.pool import Pool
+
+_Z = m.READY_FOR_QUERY[0]
+_S = m.PARAMETER_STATUS[0]
+_E = m.ERROR_RESPONSE[0]
+_R = m.AUTHENTICATION[0]
+_K = m.BACKEND_KEY_DATA[0]
+_N = m.NOTICE_RESPONSE[0]
+_TX_IDLE = m.TX_IDLE
+
+# What the relay must see in the server's stream; everything else is forwarded unread.
+RELAY_WANT = (m.READY_FOR_QUERY, m.PARAMETER_STATUS, m.ERROR_RESPONSE)
+
+_ids = itertools.count(1)
+
+CONNECTING, LOGIN, IDLE, ACTIVE, INTERNAL, CLOSED = (
+    "connecting",
+    "login",
+    "idle",
+    "active",
+    "internal",
+    "closed",
+)
+
+
+class ServerLoginError(Exception):
+    """PostgreSQL refused the login; ``fields`` are its ErrorResponse fields."""
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        super().__init__(fields.get("M", "server login failed"))
+        self.fields = fields
+
+    @property
+    def sqlstate(self) -> str:
+        return self.fields.get("C", CONNECTION_FAILURE)
+
+
+def quote_literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+class ServerConnection(asyncio.Protocol):
+    """One PostgreSQL backend connection owned by a pool."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.id = f"s{next(_ids)}"
+        self.pool = pool
+        self.state = CONNECTING
+        self.transport: asyncio.Transport | None = None
+        self.client: ClientConnection | None = None
+        self.params: dict[str, str] = {}  # as reported by ParameterStatus
+        self.applied: dict[str, str] = {}  # client settings SET on this backend
+        self.backend_pid = 0
+        self.backend_secret = 0
+        self.pending = 0  # ReadyForQuery messages owed to the linked client
+        self.tx_status = _TX_IDLE
+        self.swallow = 0  # our own queries whose responses the client must not see
+        self.created_at = time.monotonic()
+        self.last_used = self.created_at
+        self.close_reason = ""
+        self.local_addr = ""
+        self._scanner = MessageScanner(RELAY_WANT, pool.max_message_size)
+        self._reader: MessageReader | None = None
+        self._auth: BackendAuthExchange | None = None
+        self._login_waiter: asyncio.Future[None] | None = None
+        self._internal_done: Callable[[bool], None] | None = None
+        self._internal_error = False
+        self.paused_by_client = False
+
+    # --- connecting and login ------------------------------------------------
+
+    async def connect(self, timeout: float) -> None:
+        """Open the TCP/Unix connection and log in; raises on failure."""
+        loop = asyncio.get_running_loop()
+        target = self.pool.target
+        self._login_waiter = loop.create_future()
+
+        async def _open() -> None:
+            if target.host.startswith("/"):
+                path = f"{target.host}/.s.PGSQL.{target.port}"
+                await loop.create_unix_connection(lambda: self, path)
+            else:
+                await loop.create_connection(lambda: self, target.host, target.port)
+            assert self._login_waiter is not None
+            await self._login_waiter
+
+        try:
+            await asyncio.wait_for(_open(), timeout or None)
+        except BaseException:
+            self.close("login failed")
+            raise
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("sockname")
+        self.local_addr = f"{sock[0]}:{sock[1]}" if isinstance(sock, tuple) else str(sock)
+        pool = self.pool
+        self.state = LOGIN
+        self._reader = MessageReader(pool.max_message_size)
+        self._auth = BackendAuthExchange(pool.server_user, pool.server_password)
+        params = {"user": pool.server_user, "database": pool.target.dbname}
+        params.update(pool.startup_params)
+        transport.write(startup_message(params))
+
+    def _login_data(self, data: bytes) -> None:
+        reader = self._reader
+        assert reader is not None and self._auth is not None
+        reader.feed(data)
+        while (msg := reader.next_message()) is not None:
+            kind, body = msg
+            if kind == _R:
+                code, rest = m.parse_auth_request(body)
+                reply = self._auth.respond(code, rest)
+                if reply:
+                    self.transport.write(reply)  # type: ignore[union-attr]
+            elif kind == _S:
+                name, value = m.parse_parameter_status(body)
+                self.params[name] = value
+            elif kind == _K:
+                self.backend_pid = int.from_bytes(body[:4], "big", signed=True)
+                self.backend_secret = int.from_bytes(body[4:8], "big")
+            elif kind == _E:
+                self._login_failed(ServerLoginError(m.parse_fields(body)))
+                return
+            elif kind == _Z:
+                self.state = IDLE
+                self._reader = None
+                self._auth = None
+                if self._login_waiter and not self._login_waiter.done():
+                    self._login_waiter.set_result(None)
+                return
+            # NoticeResponse and NegotiateProtocolVersion during login are ignored.
+
+    def _login_failed(self, exc: Exception) -> None:
+        if self._login_waiter and not self._login_waiter.done():
+            self._login_waiter.set_exception(exc)
+        self.close(f"login failed: {exc}")
+
+    # --- relay -----------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        state = self.state
+        if state is ACTIVE:
+            self._relay(data)
+        elif state is LOGIN:
+            try:
+                self._login_data(data)
+            except (ProtocolViolation, BackendAuthError, ValueError) as exc:
+                self._login_failed(exc)
+        elif state is INTERNAL:
+            self._internal_data(data)
+        elif state is IDLE:
+            self._idle_data(data)
+
+    def _relay(self, data: bytes) -> None:
+        try:
+            out, events = self._scanner.feed(data)
+        except ProtocolViolation as exc:
+            self._broken(f"protocol violation from server: {exc}")
+            return
+        client = self.client
+        assert client is not None
+        release = False
+        cut = 0  # bytes already dropped from the front of ``out``
+        for kind, end, body in events:
+            if kind == _Z:
+                self.tx_status = body[0]
+                if self.swallow:
+                    # The response to our own SET ends here: drop it from the chunk.
+                    self.swallow -= 1
+                    out = out[end - cut :]
+                    cut = end
+                    continue
+                self.pending -= 1
+                release = self.pending <= 0 and body[0] == _TX_IDLE
+            elif kind == _S:
+                name, value = m.parse_parameter_status(body)
+                self.params[name] = value
+                client.on_parameter_status(self, name, value)
+            elif kind == _E and self.swallow:
+                event(
+                    "could not apply a client setting on the server",
+                    logging.WARNING,
+                    server=self.id,
+                    client=client.id,
+                    error=m.parse_fields(body).get("M", ""),
+                )
+        if self.swallow:
+            return  # still inside our own query's response
+        if out:
+            client.transport.write(out)
+        if release and self._scanner.at_boundary:
+            client.on_server_ready(self)
+
+    def _idle_data(self, data: bytes) -> None:
+        # An idle backend may still send asynchronous messages (NOTICE on
+        # shutdown, an ErrorResponse before it terminates): read, don't forward.
+        try:
+            _, events = self._scanner.feed(data)
+        except ProtocolViolation:
+            self.close("protocol violation while idle")
+            return
+        for kind, _end, body in events:
+            if kind == _E:
+                fields = m.parse_fields(body)
+                self.close(f"server error while idle: {fields.get('M', '')}")
+                return
+            if kind == _S:
+                name, value = m.parse_parameter_status(body)
+                self.params[name] = value
+
+    def _broken(self, reason: str) -> None:
+        client = self.client
+        self.close(reason)
+        if client is not None:
+            client.on_server_lost(self, reason)
+
+    # --- internal queries (reset, health check) --------------------------------
+
+    def run_internal(self, sql: str, done: Callable[[bool], None]) -> None:
+        """Run ``sql`` with no client attached; ``done(ok)`` when it is ready again."""
+        self.state = INTERNAL
+        self._internal_done = done
+        self._internal_error = False
+        self.transport.write(m.query(sql))  # type: ignore[union-attr]
+
+    def _internal_data(self, data: bytes) -> None:
+        try:
+            _, events = self._scanner.feed(data)
+        except ProtocolViolation:
+            self.close("protocol violation during internal query")
+            return
+        for kind, _end, body in events:
+            if kind == _E:
+                self._internal_error = True
+            elif kind == _S:
+                name, value = m.parse_parameter_status(body)
+                self.params[name] = value
+            elif kind == _Z:
+                done = self._internal_done
+                self._internal_done = None
+                self.tx_status = body[0]
+                self.state = IDLE
+                ok = not self._internal_error and body[0] == _TX_IDLE
+                if done is not None:
+                    done(ok)
+                return
+
+    # --- linking ------------------------------------------------------------------
+
+    def link(self, client: ClientConnection) -> None:
+        """Serve ``client``: bring the backend's settings in line with the client's."""
+        self.state = ACTIVE
+        self.client = client
+        self.pending = 0
+        self.last_used = time.monotonic()
+        wanted = client.params
+        if self.applied is not wanted:
+            if self.applied != wanted:
+                sql = settings_sql(self.applied, wanted)
+                if sql:
+                    self.swallow += 1
+                    self.transport.write(m.query(sql))  # type: ignore[union-attr]
+            self.applied = wanted
+
+    def unlink(self) -> None:
+        self.client = None
+        self.state = IDLE
+        self.last_used = time.monotonic()
+        if self.paused_by_client:
+            self.paused_by_client = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+
+    @property
+    def clean(self) -> bool:
+        """Safe to give to another client: idle, nothing owed, at a message boundary."""
+        return (
+            self.state is not CLOSED
+            and self.pending <= 0
+            and self.swallow == 0
+            and self.tx_status == _TX_IDLE
+            and self._scanner.at_boundary
+        )
+
+    # --- flow control: the client cannot take more, so stop reading the server --
+
+    def pause_writing(self) -> None:
+        if self.client is not None:
+            self.client.pause_reading_for(self)
+
+    def resume_writing(self) -> None:
+        if self.client is not None:
+            self.client.resume_reading_for(self)
+
+    # --- closing -------------------------------------------------------------------
+
+    def close(self, reason: str) -> None:
+        if self.state is CLOSED:
+            return
+        was_up = self.state is not CONNECTING and self.state is not LOGIN
+        self.state = CLOSED
+        self.close_reason = reason
+        if self.transport is not None:
+            if was_up:
+                try:
+                    self.transport.write(m.terminate())
+                except Exception:
+                    pass
+            self.transport.close()
+        self.pool.on_server_closed(self, was_up)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.state is CLOSED:
+            return
+        state = self.state
+        reason = f"server closed the connection{': ' + str(exc) if exc else ''}"
+        if state is LOGIN:
+            self._login_failed(ConnectionError(reason))
+            return
+        if state is INTERNAL and self._internal_done is not None:
+            done, self._internal_done = self._internal_done, None
+            self.close(reason)
+            done(False)
+            return
+        self._broken(reason)
+
+    def send_cancel(self) -> None:
+        """Ask PostgreSQL to cancel whatever this backend is running."""
+        asyncio.get_running_loop().create_task(
+            send_cancel_request(self.pool.target, self.backend_pid, self.backend_secret)
+        )
+
+
+def settings_sql(applied: dict[str, str], wanted: dict[str, str]) -> str:
+    """SET/RESET statements that turn a backend's ``applied`` settings into ``wanted``."""
+    parts = [
+        f'SET "{name}" TO {quote_literal(value)}'
+        for name, value in wanted.items()
+        if applied.get(name) != value
+    ]
+    parts.extend(f'RESET "{name}"' for name in applied if name not in wanted)
+    return ";".join(parts)
+
+
+async def send_cancel_request(target, pid: int, secret: int) -> None:  # type: ignore[no-untyped-def]
+    """Open a fresh connection to the backend's server and send a CancelRequest."""
+    try:
+        if target.host.startswith("/"):
+            _, writer = await asyncio.open_unix_connection(f"{target.host}/.s.PGSQL.{target.port}")
+        else:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(target.host, target.port), 5)
+        writer.write(cancel_request(pid, secret))
+        await writer.drain()
+        writer.close()
+    except (TimeoutError, OSError) as exc:
+        event("cancel request could not reach the server", logging.WARNING, error=str(exc))
+
+
+def random_secret() -> int:
+    return secrets.randbits(32)
