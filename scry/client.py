@@ -65,6 +65,9 @@ _CANONICAL = {"datestyle": "DateStyle", "intervalstyle": "IntervalStyle", "timez
 # Startup keys that are not settings.
 _NOT_SETTINGS = frozenset({"user", "database", "options", "replication"})
 
+# Client bytes held while waiting for a server before reading pauses.
+MAX_QUEUED_BYTES = 256 * 1024
+
 STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 
 _ids = itertools.count(1)
@@ -138,6 +141,7 @@ class ClientConnection(asyncio.Protocol):
         self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size)
         self._queue: list[bytes] = []  # client bytes waiting for a server
         self._queued_owed = 0
+        self._queued_bytes = 0
         self._waiting_since = 0.0
         self._wait_timer: asyncio.TimerHandle | None = None
         self._login_timer: asyncio.TimerHandle | None = None
@@ -335,6 +339,11 @@ class ClientConnection(asyncio.Protocol):
         elif out:
             self._queue.append(out)
             self._queued_owed += owed
+            self._queued_bytes += len(out)
+            if self._queued_bytes > MAX_QUEUED_BYTES and not self._paused_waiting:
+                # Bound what a client can make us hold while it waits for a server.
+                self._paused_waiting = True
+                self.transport.pause_reading()
             if self.state is READY:
                 self._get_server()
         if terminate:
@@ -353,8 +362,6 @@ class ClientConnection(asyncio.Protocol):
             self._link(server)
             return
         self._waiting_since = time.monotonic()
-        self._paused_waiting = True
-        self.transport.pause_reading()
         timeout = self.proxy.config.timeouts.query_wait_timeout
         if timeout:
             self._wait_timer = asyncio.get_running_loop().call_later(timeout, self._wait_timed_out)
@@ -385,6 +392,7 @@ class ClientConnection(asyncio.Protocol):
             self._queue.clear()
             server.pending += self._queued_owed
             self._queued_owed = 0
+            self._queued_bytes = 0
             server.transport.write(data)  # type: ignore[union-attr]
 
     def on_server_ready(self, server: ServerConnection) -> None:
@@ -498,7 +506,6 @@ class ClientConnection(asyncio.Protocol):
         server.unlink()
         if not server.clean or not self._scanner.at_boundary:
             server.close("client left with a query or transaction in progress")
-            pool.active.discard(server)
             return
         reset = pool.settings.server_reset_query
         if reset and (not self.transaction_pooling or pool.settings.server_reset_query_always):

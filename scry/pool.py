@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -60,7 +59,6 @@ class Pool:
         self.startup_params = {k: v for k, v in target.params.items() if k not in _LIBPQ_ONLY}
         self.max_message_size = proxy.config.max_packet_size
         self.idle: deque[ServerConnection] = deque()
-        self.active: set[ServerConnection] = set()
         self.servers: set[ServerConnection] = set()  # every logged-in server
         self.connecting = 0
         self.waiters: deque[ClientConnection] = deque()
@@ -84,6 +82,11 @@ class Pool:
     def size(self) -> int:
         return self.settings.size
 
+    @property
+    def active_count(self) -> int:
+        """Servers out of the idle list: serving a client or running a reset."""
+        return len(self.servers) - len(self.idle)
+
     # --- handing out servers -------------------------------------------------
 
     def acquire_nowait(self) -> ServerConnection | None:
@@ -92,7 +95,6 @@ class Pool:
         while idle:
             server = idle.pop()  # most recently used first: its caches are warm
             if server.state is IDLE:
-                self.active.add(server)
                 return server
         return None
 
@@ -109,30 +111,26 @@ class Pool:
 
     def release(self, server: ServerConnection) -> None:
         """Take a server back from a client (or from login/reset)."""
-        self.active.discard(server)
         if server.state is CLOSED:
             return
         if not server.clean:
             server.close("released while not idle")
             return
-        if self.stale or self._expired(server, time.monotonic()):
+        if server.retire or self.stale:
             server.close("server_lifetime" if not self.stale else "config changed")
             self._open_for_waiters()
             return
         waiters = self.waiters
         while waiters:
-            client = waiters.popleft()
-            if client.attach(server):
-                self.active.add(server)
+            if waiters.popleft().attach(server):
                 return
+        server.last_used = self.proxy.clock
         self.idle.append(server)
 
     def release_with_reset(self, server: ServerConnection, query: str) -> None:
         """Run the reset query (session pooling), then release."""
-        self.active.add(server)
 
         def done(ok: bool) -> None:
-            self.active.discard(server)
             if not ok:
                 server.close("server_reset_query failed")
                 return
@@ -234,7 +232,6 @@ class Pool:
         if not was_up:
             return
         self.servers.discard(server)
-        self.active.discard(server)
         try:
             self.idle.remove(server)
         except ValueError:
@@ -248,6 +245,9 @@ class Pool:
         """Janitor pass: retire old or long-idle servers, keep ``min_size`` open."""
         timeouts = self.proxy.config.timeouts
         keep = self.settings.min_size
+        for server in list(self.servers):
+            if self._expired(server, now) and server not in self.idle:
+                server.retire = True  # closed when its client gives it back
         for server in list(self.idle):
             if self._expired(server, now):
                 server.close("server_lifetime")

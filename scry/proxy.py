@@ -43,6 +43,7 @@ class Proxy:
         self.listeners: list[asyncio.Server] = []
         self.started_at = time.time()
         self.draining = False
+        self.clock = time.monotonic()  # coarse clock, updated by the janitor
         self._stopped = asyncio.Event()
         self._janitor: asyncio.Task[None] | None = None
 
@@ -144,7 +145,7 @@ class Proxy:
     async def _janitor_loop(self) -> None:
         while True:
             await asyncio.sleep(JANITOR_INTERVAL)
-            now = time.monotonic()
+            now = self.clock = time.monotonic()
             for pool in list(self.pools.values()):
                 pool.maintain(now)
 

@@ -99,6 +99,7 @@ class ServerConnection(asyncio.Protocol):
         self._internal_done: Callable[[bool], None] | None = None
         self._internal_error = False
         self.paused_by_client = False
+        self.retire = False  # past server_lifetime: close instead of reusing
 
     # --- connecting and login ------------------------------------------------
 
@@ -286,7 +287,6 @@ class ServerConnection(asyncio.Protocol):
         self.state = ACTIVE
         self.client = client
         self.pending = 0
-        self.last_used = time.monotonic()
         wanted = client.params
         if self.applied is not wanted:
             if self.applied != wanted:
@@ -299,7 +299,6 @@ class ServerConnection(asyncio.Protocol):
     def unlink(self) -> None:
         self.client = None
         self.state = IDLE
-        self.last_used = time.monotonic()
         if self.paused_by_client:
             self.paused_by_client = False
             self.transport.resume_reading()  # type: ignore[union-attr]

@@ -89,6 +89,7 @@ class MessageReader:
 
 # An event is (message type, end offset in the forwarded chunk, body or b"").
 ScanEvent = tuple[int, int, bytes]
+_NO_EVENTS: list[ScanEvent] = []  # shared and never mutated: callers only iterate
 
 
 class MessageScanner:
@@ -117,11 +118,21 @@ class MessageScanner:
 
     def feed(self, data: bytes) -> tuple[bytes, list[ScanEvent]]:
         """Scan ``data``; return (bytes to forward, wanted messages completed in them)."""
+        n = len(data)
+        if not self._held and not self._remaining and n >= 5:
+            # Fast path: the chunk is exactly one whole message (a Query, a
+            # short response); no loop, no list unless it is wanted.
+            (length,) = _unpack_len(data, 1)
+            if length + 1 == n and 4 <= length <= self._max + 4:
+                kind = data[0]
+                if kind in self._want:
+                    return data, [(kind, n, data[5:])]
+                return data, _NO_EVENTS
         if self._held:
             data = self._held + data
             self._held = b""
+            n = len(data)
         events: list[ScanEvent] = []
-        n = len(data)
         pos = self._remaining
         if pos:
             collect = self._collect

@@ -1,0 +1,22 @@
+"""The import-layer contract of STYLE.md holds (import-linter, configured in pyproject.toml)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_import_layers_are_kept() -> None:
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert exe, "import-linter is a test dependency; install .[test]"
+    result = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_protocol_layer_does_not_import_asyncio() -> None:
+    # Belt and braces for the most important rule: the codec stays sans-I/O.
+    for path in (ROOT / "scry" / "protocol").glob("*.py"):
+        text = path.read_text()
+        assert "import asyncio" not in text and "from asyncio" not in text, path
