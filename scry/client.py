@@ -44,8 +44,18 @@ _Q = m.QUERY[0]
 _SYNC = m.SYNC[0]
 _F = m.FUNCTION_CALL[0]
 _X = m.TERMINATE[0]
+_EXECUTE = m.EXECUTE[0]
 
-CLIENT_WANT = (m.QUERY, m.SYNC, m.FUNCTION_CALL, m.TERMINATE)
+# Client messages the relay must see (every other one is forwarded unread).
+CLIENT_WANT = (
+    m.QUERY,
+    m.SYNC,
+    m.FUNCTION_CALL,
+    m.TERMINATE,
+    m.EXECUTE,
+    m.COPY_DONE,
+    m.COPY_FAIL,
+)
 
 # Settings PostgreSQL reports with ParameterStatus that a client may change;
 # scry re-applies them on whichever server serves the client.
@@ -142,6 +152,7 @@ class ClientConnection(asyncio.Protocol):
         self._queue: list[bytes] = []  # client bytes waiting for a server
         self._queued_owed = 0
         self._queued_bytes = 0
+        self._syncs_since_execute = 0
         self._waiting_since = 0.0
         self._wait_timer: asyncio.TimerHandle | None = None
         self._login_timer: asyncio.TimerHandle | None = None
@@ -239,7 +250,9 @@ class ClientConnection(asyncio.Protocol):
         self.application_name = settings.get("application_name", "")
         server_user, server_password = proxy.auth.server_credentials(target, self.user)
         self.pool = proxy.pool_for(target, server_user, server_password)
-        self.transaction_pooling = self.pool.mode != "session"
+        # Hybrid pooling lands with its session-state tracker; until then it keeps
+        # the server for the whole session, which is always safe.
+        self.transaction_pooling = self.pool.mode == "transaction"
         self._auth = ClientAuthExchange(
             proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
         )
@@ -326,11 +339,24 @@ class ClientConnection(asyncio.Protocol):
         owed = 0
         terminate = False
         for kind, end, _body in events:
-            if kind == _X:
+            # Query, Sync and FunctionCall are each answered by one ReadyForQuery.
+            if kind == _SYNC:
+                owed += 1
+                self._syncs_since_execute += 1
+            elif kind in (_Q, _F):
+                owed += 1
+                self._syncs_since_execute = 0
+            elif kind == _EXECUTE:
+                self._syncs_since_execute = 0
+            elif kind == _X:
                 out = out[: end - 5]
                 terminate = True
                 break
-            owed += 1  # Query, Sync, FunctionCall: each ends with ReadyForQuery
+            else:  # CopyDone / CopyFail
+                # PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent
+                # after the Execute that started the copy earns no ReadyForQuery.
+                owed -= self._syncs_since_execute
+                self._syncs_since_execute = 0
         server = self.server
         if server is not None:
             if out:
