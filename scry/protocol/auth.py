@@ -17,6 +17,7 @@ PgBouncer's userlist.txt) or a SCRAM secret (``SCRAM-SHA-256$iter:salt$stored:se
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import os
@@ -55,8 +56,23 @@ def secret_kind(secret: str) -> str:
     return "plain"
 
 
-def scram_auth_info(secret: str) -> tuple[bytes, bytes, bytes, int]:
-    """scramp's auth info (salt, stored_key, server_key, iterations) for a secret."""
+# Salts for users without a stored SCRAM secret are derived from the user name
+# with a per-process key (PostgreSQL's scram_mock_salt idea): the same user
+# always sees the same salt, so probes cannot tell unknown users apart.
+_MOCK_SALT_KEY = os.urandom(32)
+_UNKNOWN_USER_SECRET = os.urandom(16).hex()
+
+
+def mock_salt(user: str) -> bytes:
+    return hmac.new(_MOCK_SALT_KEY, user.encode(), hashlib.sha256).digest()[:16]
+
+
+@functools.lru_cache(maxsize=1024)
+def scram_auth_info(secret: str, user: str = "") -> tuple[bytes, bytes, bytes, int]:
+    """scramp's auth info (salt, stored_key, server_key, iterations) for a secret.
+
+    Cached: deriving keys from a plaintext password costs 4096 PBKDF2 rounds.
+    """
     if secret_kind(secret) == "scram":
         _, params, keys = secret.split("$")
         iterations, salt = params.split(":")
@@ -67,7 +83,9 @@ def scram_auth_info(secret: str) -> tuple[bytes, bytes, bytes, int]:
             base64.b64decode(server),
             int(iterations),
         )
-    salt, stored, server, iterations = _scram.make_auth_info(secret, iteration_count=4096)
+    salt, stored, server, iterations = _scram.make_auth_info(
+        secret, iteration_count=4096, salt=mock_salt(user)
+    )
     return salt, stored, server, iterations
 
 
@@ -162,7 +180,9 @@ class ClientAuthExchange:
                     )
                 secret = self._secret
                 # Unknown user: run the exchange against a random secret and fail.
-                info = scram_auth_info(secret if secret is not None else os.urandom(16).hex())
+                info = scram_auth_info(
+                    _UNKNOWN_USER_SECRET if secret is None else secret, self.user
+                )
                 self._scram_server = _scram.make_server(lambda _username: info)
                 self._scram_server.set_client_first(data.decode())
                 return AuthStep(

@@ -126,7 +126,7 @@ class MessageScanner:
             if length + 1 == n and 4 <= length <= self._max + 4:
                 kind = data[0]
                 if kind in self._want:
-                    return data, [(kind, n, data[5:])]
+                    return data, [(kind, n, data[5 : 5 + self._max_collect])]
                 return data, _NO_EVENTS
         if self._held:
             data = self._held + data
@@ -167,7 +167,7 @@ class MessageScanner:
                     self._gather(self._collect, data[pos + 5 :])
                 return data, events
             if kind in want:
-                events.append((kind, end, data[pos + 5 : end]))
+                events.append((kind, end, data[pos + 5 : min(end, pos + 5 + self._max_collect)]))
             pos = end
 
     def _gather(self, collect: bytearray, part: bytes) -> None:

@@ -264,6 +264,8 @@ def parse_sasl_initial_response(body: bytes) -> tuple[str, bytes]:
     """(mechanism, client-first data) from a SASLInitialResponse body."""
     nul = body.index(b"\x00")
     mechanism = body[:nul].decode()
+    if len(body) < nul + 5:
+        raise ValueError("SASLInitialResponse is truncated")
     (length,) = _I32.unpack_from(body, nul + 1)
     data = b"" if length < 0 else body[nul + 5 : nul + 5 + length]
     return mechanism, data

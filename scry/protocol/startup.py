@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from scry.protocol.errors import PROTOCOL_VIOLATION, ProtocolViolation
+from scry.protocol.errors import FEATURE_NOT_SUPPORTED, ProtocolViolation
 
 MAX_STARTUP_PACKET = 10000
 PROTOCOL_3_0 = 196608  # 3 << 16
@@ -78,18 +78,19 @@ def read_startup_packet(buf: bytes | bytearray) -> tuple[StartupPacket, int] | N
         return StartupMessage(code, _parse_params(body)), length
     raise ProtocolViolation(
         f"unsupported frontend protocol {code >> 16}.{code & 0xFFFF}: server supports 3.0",
-        PROTOCOL_VIOLATION,
+        FEATURE_NOT_SUPPORTED,
     )
 
 
 def _parse_params(body: bytes) -> dict[str, str]:
-    if not body.endswith(b"\x00"):
-        raise ProtocolViolation("startup packet is not NUL-terminated")
-    parts = body[:-1].split(b"\x00")
-    if parts and parts[-1] == b"":
-        parts.pop()
+    # name NUL value NUL ... then one more NUL ends the list.
+    if not (body == b"\x00" or body.endswith(b"\x00\x00")):
+        raise ProtocolViolation("invalid startup packet layout: expected terminator as last byte")
+    parts = body[:-2].split(b"\x00") if len(body) > 1 else []
     if len(parts) % 2:
         raise ProtocolViolation("startup packet has a parameter name without a value")
+    if any(not name for name in parts[::2]):
+        raise ProtocolViolation("startup packet has an empty parameter name")
     try:
         decoded = [p.decode() for p in parts]
     except UnicodeDecodeError as exc:

@@ -1,0 +1,377 @@
+"""``scry demo``: a throwaway PostgreSQL, scry in front of it, and a workload.
+
+Everything runs in this process and on one event loop: a :class:`DevCluster`
+(removed again on exit), the proxy (:class:`~scry.proxy.Proxy`) and the
+synthetic e-commerce workload of :mod:`scry.workload`. A status panel is
+redrawn once per second until Ctrl-C or ``--duration`` seconds.
+
+The panel lives in :func:`render_status` only, so that a richer console can
+replace it without touching the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from scry.devcluster import DevCluster, DevClusterError
+from scry.workload import (
+    KINDS,
+    WorkloadError,
+    WorkloadSnapshot,
+    WorkloadStats,
+    load_schema,
+    require_psycopg,
+    run_workload,
+)
+
+if TYPE_CHECKING:
+    from scry.config import Config
+    from scry.proxy import Proxy
+
+__all__ = ["DemoInfo", "render_status", "run_demo"]
+
+POOL_SIZE = 10
+REFRESH_SECONDS = 1.0
+WORKLOAD_STOP_TIMEOUT = 5.0
+LOG_LINES = 4  # proxy warnings kept for the panel
+
+_KIND_LABELS = {
+    "browse": "browse products",
+    "product": "product by id",
+    "search": "text search",
+    "history": "order history",
+    "order": "order details",
+    "checkout": "checkout (tx)",
+    "slow": "slow query",
+    "error": "failing query",
+    "session": "session client",
+}
+
+
+@dataclass
+class DemoInfo:
+    """What the panel shows besides the numbers."""
+
+    connect: str  # psql command line
+    mode: str
+    duration: float
+    pg_version: str = ""
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
+    warnings: int = 0
+
+
+class _LogSink:
+    """A file-like stream for :func:`scry.log.setup_logging`: keeps the last lines."""
+
+    def __init__(self, info: DemoInfo) -> None:
+        self.info = info
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip():
+                self.info.log.append(line)
+                self.info.warnings += 1
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- #
+# The panel
+# --------------------------------------------------------------------------- #
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1000
+    return f"{ms:.2f}" if ms < 10 else f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}"
+
+
+def render_status(
+    snap: WorkloadSnapshot,
+    prev: WorkloadSnapshot | None,
+    proxy: Proxy,
+    info: DemoInfo,
+) -> Panel:
+    """One frame: the workload per query kind, the proxy's pools, recent warnings."""
+    queries = Table(box=None, pad_edge=False, expand=False, header_style="bold")
+    queries.add_column("query", min_width=16)
+    for col in ("q/s", "total", "errors", "p50 ms", "p99 ms"):
+        queries.add_column(col, justify="right")
+    for kind in KINDS:
+        k = snap.kinds[kind]
+        queries.add_row(
+            _KIND_LABELS.get(kind, kind),
+            f"{snap.rate(prev, kind):,.0f}",
+            f"{k.count:,}",
+            Text(f"{k.errors:,}", style="red" if k.errors and kind != "error" else ""),
+            _ms(k.p50),
+            _ms(k.p99),
+        )
+    queries.add_row(
+        Text("all", style="bold"),
+        Text(f"{snap.rate(prev):,.0f}", style="bold"),
+        Text(f"{snap.total:,}", style="bold"),
+        Text(f"{snap.errors:,}", style="bold"),
+        Text(_ms(snap.p50), style="bold"),
+        Text(_ms(snap.p99), style="bold"),
+    )
+
+    pools = Table(box=None, pad_edge=False, expand=False, header_style="bold")
+    pools.add_column("pool", min_width=16)
+    for col in ("mode", "size", "servers", "active", "idle", "waiting", "opened"):
+        pools.add_column(col, justify="right")
+    for pool in list(proxy.pools.values()):
+        pools.add_row(
+            pool.name,
+            pool.mode,
+            str(pool.size),
+            str(len(pool.servers)),
+            str(pool.active_count),
+            str(len(pool.idle)),
+            Text(str(len(pool.waiters)), style="yellow" if pool.waiters else ""),
+            str(pool.servers_opened),
+        )
+
+    unexpected = snap.errors - snap.deliberate_errors
+    summary = Text.assemble(
+        ("clients ", "dim"),
+        f"{proxy.client_count}",
+        ("  workload connected ", "dim"),
+        f"{snap.connected}",
+        ("  reconnects ", "dim"),
+        (f"{snap.reconnects}", "yellow" if snap.reconnects else ""),
+        ("  unexpected errors ", "dim"),
+        (f"{unexpected}", "red" if unexpected else ""),
+        ("  session state lost ", "dim"),
+        (f"{snap.session_state_lost}", "yellow" if snap.session_state_lost else ""),
+    )
+    parts: list[Any] = [queries, Text(""), pools, summary]
+    if snap.last_error:
+        parts.append(Text(f"last error: {snap.last_error}", style="red", overflow="ellipsis"))
+    if info.log:
+        parts.append(Text(f"proxy warnings ({info.warnings}):", style="yellow"))
+        parts.extend(Text(line, style="dim", overflow="ellipsis", no_wrap=True) for line in info.log)
+    parts.append(Text.assemble(("connect: ", "dim"), (info.connect, "bold cyan")))
+
+    elapsed = f"{snap.elapsed:.0f}s"
+    if info.duration:
+        elapsed += f" / {info.duration:.0f}s"
+    title = f"scry demo - {info.mode} pooling - {elapsed}"
+    subtitle = "Ctrl-C to stop" if not info.duration else None
+    return Panel(Group(*parts), title=title, subtitle=subtitle, expand=False)
+
+
+# --------------------------------------------------------------------------- #
+# Running it
+# --------------------------------------------------------------------------- #
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _config(cluster: DevCluster, mode: str, port: int) -> Config:
+    from scry.config import Config
+
+    return Config.model_validate(
+        {
+            "listen_addr": f"127.0.0.1:{port}",
+            "database_url": cluster.dsn(),
+            "pool": {"mode": mode, "size": POOL_SIZE},
+            "tls": {"server_tls_sslmode": "disable"},
+        }
+    )
+
+
+async def _start_proxy(cluster: DevCluster, mode: str, port: int, console: Console) -> Proxy:
+    """Start the proxy on ``port``; a busy port (or 0) means a free one instead."""
+    from scry.proxy import Proxy
+
+    wanted = port
+    for attempt in range(5):
+        if port == 0:
+            port = _free_port()
+        proxy = Proxy(_config(cluster, mode, port))
+        try:
+            await proxy.start()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == 4:
+                raise
+            port = 0
+            continue
+        if wanted and port != wanted:
+            console.print(
+                f"[yellow]port {wanted} is in use; scry listens on {port} instead[/yellow]"
+            )
+        return proxy
+    raise AssertionError("unreachable")
+
+
+def _postmaster_pid(cluster: DevCluster) -> str:
+    try:
+        return (cluster.data_dir / "postmaster.pid").read_text().split("\n", 1)[0].strip()
+    except OSError:
+        return "?"
+
+
+async def _demo(
+    cluster: DevCluster, duration: float, clients: int, mode: str, port: int, console: Console
+) -> int:
+    from scry.log import setup_logging
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    interrupted = False
+
+    def on_signal() -> None:
+        nonlocal interrupted
+        interrupted = True
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    proxy: Proxy | None = None
+    workload: asyncio.Task[None] | None = None
+    saved_logging: tuple[list[logging.Handler], int, bool] | None = None
+    try:
+        with console.status("loading the demo schema (customers, products, orders)..."):
+            await load_schema(cluster.dsn())
+        if stop.is_set():
+            return 0
+        proxy = await _start_proxy(cluster, mode, port, console)
+        port = proxy.listen_port
+        info = DemoInfo(
+            connect=f'psql "postgres://app:app_pass@127.0.0.1:{port}/app"',
+            mode=mode,
+            duration=duration,
+        )
+        # The proxy's own log: warnings and errors only, shown in the panel.
+        scry_logger = logging.getLogger("scry")
+        saved_logging = (scry_logger.handlers[:], scry_logger.level, scry_logger.propagate)
+        setup_logging("warning", "text", stream=_LogSink(info))
+        console.print(f"scry is listening on [bold]127.0.0.1:{port}[/bold] ({mode} pooling)")
+        console.print(f"connect with: [bold cyan]{info.connect}[/bold cyan]")
+
+        stats = WorkloadStats()
+        proxy_dsn = f"postgresql://app:app_pass@127.0.0.1:{port}/app"
+        workload = asyncio.create_task(run_workload(proxy_dsn, clients, duration or None, stats, stop))
+        prev: WorkloadSnapshot | None = None
+        snap = stats.snapshot()
+        with Live(
+            render_status(snap, None, proxy, info),
+            console=console,
+            auto_refresh=False,
+            transient=False,
+            redirect_stderr=False,
+        ) as live:
+            while not stop.is_set() and not workload.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), REFRESH_SECONDS)
+                prev, snap = snap, stats.snapshot()
+                live.update(render_status(snap, prev, proxy, info), refresh=True)
+        stop.set()
+        try:
+            await asyncio.wait_for(workload, WORKLOAD_STOP_TIMEOUT)
+        except TimeoutError:
+            console.print("[yellow]workload did not stop in time; cancelled[/yellow]")
+        snap = stats.snapshot()
+        rate = snap.total / snap.elapsed if snap.elapsed else 0.0
+        console.print(
+            f"ran {snap.total} queries in {snap.elapsed:.1f}s ({rate:,.0f} q/s through scry), "
+            f"{snap.errors} errors ({snap.deliberate_errors} deliberate), "
+            f"session state lost {snap.session_state_lost} times"
+            + (" (interrupted)" if interrupted else "")
+        )
+        return 0
+    finally:
+        if workload is not None and not workload.done():
+            workload.cancel()
+            with contextlib.suppress(BaseException):
+                await workload
+        if proxy is not None:
+            proxy.stop_now()
+            await asyncio.sleep(0)  # let the transports close
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if saved_logging is not None:
+            logger = logging.getLogger("scry")
+            logger.handlers[:], level, logger.propagate = saved_logging
+            logger.setLevel(level)
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(
+    duration: float = 0, clients: int = 8, mode: str = "transaction", port: int = 6432
+) -> int:
+    """Run the demo until Ctrl-C (``duration`` 0) or for ``duration`` seconds; exit code."""
+    console = Console(highlight=False)
+    try:
+        psycopg = require_psycopg()
+    except WorkloadError as exc:
+        console.print(f"[red]scry demo: {exc}[/red]")
+        return 1
+    # Until the event loop takes over the signals: SIGTERM behaves like Ctrl-C,
+    # so that the cluster is removed either way.
+    old_term: Callable[..., Any] | int | None = signal.signal(signal.SIGTERM, _raise_interrupt)
+    cluster: DevCluster | None = None
+    try:
+        try:
+            cluster = DevCluster(ssl=False, prefix="scry-demo-")
+            with console.status("starting a throwaway PostgreSQL..."):
+                cluster.start()
+        except DevClusterError as exc:
+            console.print(f"[red]scry demo: {exc}[/red]")
+            return 1
+        version = cluster.psql("SHOW server_version").split()[0]
+        console.print(
+            f"PostgreSQL {version} on 127.0.0.1:{cluster.port} "
+            f"(data dir {cluster.data_dir}, pid {_postmaster_pid(cluster)})"
+        )
+        return _run_loop(_demo(cluster, duration, clients, mode, port, console))
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 0
+    except (DevClusterError, WorkloadError, OSError, psycopg.Error) as exc:
+        console.print(f"[red]scry demo: {exc}[/red]")
+        return 1
+    finally:
+        # A second Ctrl-C must not leave PostgreSQL behind half-stopped.
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if cluster is not None:
+            with console.status("stopping PostgreSQL and removing its files..."):
+                cluster.stop()
+            console.print(f"stopped PostgreSQL and removed {cluster.base_dir}")
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
