@@ -35,6 +35,8 @@ from scry.protocol.errors import (
     ProtocolViolation,
 )
 from scry.protocol.framing import MessageReader, MessageScanner
+from scry.protocol.prepared import ClientStatements
+from scry.protocol.prepared import rewrite as rewrite_statements
 from scry.server import ServerConnection, ServerLoginError
 
 if TYPE_CHECKING:
@@ -45,6 +47,9 @@ _SYNC = m.SYNC[0]
 _F = m.FUNCTION_CALL[0]
 _X = m.TERMINATE[0]
 _EXECUTE = m.EXECUTE[0]
+_PARSE = m.PARSE[0]
+_COPY_DONE = m.COPY_DONE[0]
+_COPY_FAIL = m.COPY_FAIL[0]
 
 # Client messages the relay must see (every other one is forwarded unread).
 CLIENT_WANT = (
@@ -55,6 +60,7 @@ CLIENT_WANT = (
     m.EXECUTE,
     m.COPY_DONE,
     m.COPY_FAIL,
+    m.PARSE,
 )
 
 # Settings PostgreSQL reports with ParameterStatus that a client may change;
@@ -149,8 +155,13 @@ class ClientConnection(asyncio.Protocol):
         self._reader: MessageReader | None = None
         self._auth: ClientAuthExchange | None = None
         self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size)
-        self._queue: list[bytes] = []  # client bytes waiting for a server
+        # Client data waiting for a server: (bytes or whole messages, ReadyForQuery owed).
+        self._queue: list[tuple[bytes | list[tuple[int, bytes]], int]] = []
         self._queued_owed = 0
+        # Set once the client uses named prepared statements under transaction or
+        # hybrid pooling: from then on its messages are read whole and rewritten.
+        self._messages: MessageReader | None = None
+        self.statements: ClientStatements | None = None
         self._queued_bytes = 0
         self._syncs_since_execute = 0
         self._waiting_since = 0.0
@@ -331,6 +342,9 @@ class ClientConnection(asyncio.Protocol):
     # --- relay -------------------------------------------------------------------
 
     def _relay(self, data: bytes) -> None:
+        if self._messages is not None:
+            self._relay_messages(data)
+            return
         try:
             out, events = self._scanner.feed(data)
         except ProtocolViolation as exc:
@@ -338,7 +352,7 @@ class ClientConnection(asyncio.Protocol):
             return
         owed = 0
         terminate = False
-        for kind, end, _body in events:
+        for kind, end, body in events:
             # Query, Sync and FunctionCall are each answered by one ReadyForQuery.
             if kind == _SYNC:
                 owed += 1
@@ -352,28 +366,103 @@ class ClientConnection(asyncio.Protocol):
                 out = out[: end - 5]
                 terminate = True
                 break
+            elif (
+                kind == _PARSE
+                and body[:1] != b"\x00"
+                and self.transaction_pooling
+                and self._start_rewriting(out, end - 5 - len(body), owed)
+            ):
+                return
             else:  # CopyDone / CopyFail
                 # PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent
                 # after the Execute that started the copy earns no ReadyForQuery.
                 owed -= self._syncs_since_execute
                 self._syncs_since_execute = 0
-        server = self.server
-        if server is not None:
-            if out:
-                server.pending += owed
-                server.transport.write(out)  # type: ignore[union-attr]
-        elif out:
-            self._queue.append(out)
-            self._queued_owed += owed
-            self._queued_bytes += len(out)
-            if self._queued_bytes > MAX_QUEUED_BYTES and not self._paused_waiting:
-                # Bound what a client can make us hold while it waits for a server.
-                self._paused_waiting = True
-                self.transport.pause_reading()
-            if self.state is READY:
-                self._get_server()
+        if out:
+            self._forward(out, owed, len(out))
         if terminate:
             self._cleanup("client closed")
+
+    def _forward(self, payload: bytes | list[tuple[int, bytes]], owed: int, size: int) -> None:
+        """Send to our server, or queue and ask the pool for one."""
+        server = self.server
+        if server is not None:
+            data = payload if isinstance(payload, bytes) else self._render(payload, server)
+            server.pending += owed
+            server.statements.segments_sent += owed
+            server.transport.write(data)  # type: ignore[union-attr]
+            return
+        self._queue.append((payload, owed))
+        self._queued_owed += owed
+        self._queued_bytes += size
+        if self._queued_bytes > MAX_QUEUED_BYTES and not self._paused_waiting:
+            # Bound what a client can make us hold while it waits for a server.
+            self._paused_waiting = True
+            self.transport.pause_reading()
+        if self.state is READY:
+            self._get_server()
+
+    def _render(self, messages: list[tuple[int, bytes]], server: ServerConnection) -> bytes:
+        assert self.statements is not None
+        return rewrite_statements(messages, self.statements, server.statements)
+
+    def _start_rewriting(self, out: bytes, parse_start: int, owed: int) -> bool:
+        """The client named a prepared statement: switch to whole-message rewriting.
+
+        Everything before the Parse is forwarded as scanned; the Parse and what
+        follows is re-read as whole messages. Returns False (keep scanning) in the
+        rare case the Parse body was truncated by the scanner and cannot be located.
+        """
+        if parse_start < 0:
+            return False
+        head, tail = out[:parse_start], out[parse_start:] + self._scanner.detach()
+        self._messages = MessageReader(self.proxy.config.max_packet_size)
+        self.statements = ClientStatements()
+        if head:
+            self._forward(head, owed, len(head))
+        self._relay_messages(tail)
+        return True
+
+    def _relay_messages(self, data: bytes) -> None:
+        reader = self._messages
+        assert reader is not None
+        reader.feed(data)
+        try:
+            messages = reader.messages()
+        except ProtocolViolation as exc:
+            self.fatal(exc.sqlstate, str(exc))
+            return
+        if not messages:
+            return
+        owed = 0
+        terminate = False
+        size = 0
+        for index, (kind, body) in enumerate(messages):
+            if kind == _SYNC:
+                owed += 1
+                self._syncs_since_execute += 1
+            elif kind in (_Q, _F):
+                owed += 1
+                self._syncs_since_execute = 0
+            elif kind == _EXECUTE:
+                self._syncs_since_execute = 0
+            elif kind == _X:
+                del messages[index:]
+                terminate = True
+                break
+            elif kind in (_COPY_DONE, _COPY_FAIL):
+                owed -= self._syncs_since_execute
+                self._syncs_since_execute = 0
+            size += len(body) + 5
+        if messages:
+            self._forward(messages, owed, size)
+        if terminate:
+            self._cleanup("client closed")
+
+    def _at_boundary(self) -> bool:
+        if self._messages is not None:
+            return self._messages.buffered == 0
+        return self._scanner.at_boundary
 
     def _get_server(self) -> None:
         pool = self.pool
@@ -414,7 +503,14 @@ class ClientConnection(asyncio.Protocol):
         self.server = server
         server.link(self)
         if self._queue:
-            data = b"".join(self._queue) if len(self._queue) > 1 else self._queue[0]
+            parts = []
+            statements = server.statements
+            for payload, owed in self._queue:
+                parts.append(
+                    payload if isinstance(payload, bytes) else self._render(payload, server)
+                )
+                statements.segments_sent += owed
+            data = b"".join(parts) if len(parts) > 1 else parts[0]
             self._queue.clear()
             server.pending += self._queued_owed
             self._queued_owed = 0
@@ -423,7 +519,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_server_ready(self, server: ServerConnection) -> None:
         """The server answered everything and is idle: give it back if pooling allows."""
-        if not self.transaction_pooling or not self._scanner.at_boundary:
+        if not self.transaction_pooling or not self._at_boundary():
             return
         self.server = None
         server.unlink()
@@ -530,7 +626,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _give_back(self, server: ServerConnection, pool: Pool) -> None:
         server.unlink()
-        if not server.clean or not self._scanner.at_boundary:
+        if not server.clean or not self._at_boundary():
             server.close("client left with a query or transaction in progress")
             return
         reset = pool.settings.server_reset_query

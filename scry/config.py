@@ -249,18 +249,47 @@ class TimeoutsConfig(_Model):
 
 
 class CircuitBreakerConfig(_Model):
-    """The per-database circuit breaker."""
+    """The per-database circuit breaker (docs/breaker.md)."""
 
     enabled: bool = True
     failure_threshold: Int = Field(5, ge=1)
     success_threshold: Int = Field(3, ge=1)
     timeout_seconds: Seconds = 30
+    #: Transactions let through at once while half-open. One, as Hystrix does: a
+    #: recovering server gets one probe at a time, and success_threshold of them in
+    #: a row close the breaker.
+    half_open_max_probes: Int = Field(1, ge=1)
 
 
 class HealthConfig(_Model):
-    """Health-monitor thresholds (the predictive breaker)."""
+    """Health-monitor thresholds (the predictive breaker); reasoning in docs/breaker.md."""
 
     predictive: bool = False
+    #: The rolling window the rules look at: long enough for a p99 at modest
+    #: traffic, short next to the breaker's timeout.
+    window_seconds: Int = Field(10, ge=2, le=300)
+    #: "Normal" is an EWMA of the window with this half-life: slow enough that a
+    #: spike stands out, fast enough that a permanent change stops alarming.
+    baseline_half_life_seconds: Float = Field(300, gt=0)
+    #: Latency spike: window p99 above this many times the baseline p99 ...
+    latency_spike_factor: Float = Field(3.0, gt=1)
+    #: ... and above this absolute floor (1 ms -> 4 ms is noise, not sickness).
+    latency_floor_ms: Float = Field(50, ge=0)
+    #: Error-rate anomaly: the share of server-sickness errors above
+    #: max(error_rate_floor, error_rate_factor x baseline rate).
+    error_rate_floor: Float = Field(0.1, ge=0, le=1)
+    error_rate_factor: Float = Field(3.0, ge=1)
+    #: Saturation: active/size at or above this, with clients waiting, sustained.
+    saturation_threshold: Float = Field(0.9, gt=0, le=1)
+    #: Starvation: a client waited this long for a server (well under
+    #: timeouts.query_wait_timeout, so operators hear before clients get errors).
+    starvation_seconds: Seconds = 5
+    #: How long a rule must hold before its signal is critical (and, with
+    #: predictive: true, opens the breaker); above window_seconds so that one bad
+    #: second smeared across the window cannot do it alone.
+    sustain_seconds: Seconds = 15
+    #: Queries a window needs before latency and error-rate rules judge it.
+    min_samples: Int = Field(50, ge=1)
 
 
 class AdminConfig(_Model):

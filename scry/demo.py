@@ -17,9 +17,8 @@ import errno
 import logging
 import signal
 import socket
-import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -114,8 +113,8 @@ def render_status(
     """One frame: the workload per query kind, the proxy's pools, recent warnings."""
     queries = Table(box=None, pad_edge=False, expand=False, header_style="bold")
     queries.add_column("query", min_width=16)
-    for col in ("q/s", "total", "errors", "p50 ms", "p99 ms"):
-        queries.add_column(col, justify="right")
+    for col, width in (("q/s", 6), ("total", 9), ("errors", 6), ("p50 ms", 6), ("p99 ms", 6)):
+        queries.add_column(col, justify="right", min_width=width)
     for kind in KINDS:
         k = snap.kinds[kind]
         queries.add_row(
@@ -151,25 +150,33 @@ def render_status(
             str(pool.servers_opened),
         )
 
-    unexpected = snap.errors - snap.deliberate_errors
+    unexpected = snap.unexpected_errors
     summary = Text.assemble(
         ("clients ", "dim"),
         f"{proxy.client_count}",
-        ("  workload connected ", "dim"),
+        (" (workload ", "dim"),
         f"{snap.connected}",
-        ("  reconnects ", "dim"),
+        (")  reconnects ", "dim"),
         (f"{snap.reconnects}", "yellow" if snap.reconnects else ""),
         ("  unexpected errors ", "dim"),
         (f"{unexpected}", "red" if unexpected else ""),
-        ("  session state lost ", "dim"),
-        (f"{snap.session_state_lost}", "yellow" if snap.session_state_lost else ""),
     )
     parts: list[Any] = [queries, Text(""), pools, summary]
+    if snap.session_state_lost:
+        parts.append(
+            Text.assemble(
+                ("session state lost ", "dim"),
+                (f"{snap.session_state_lost}", "yellow"),
+                (" (SET / PREPARE not there on the next server)", "dim"),
+            )
+        )
     if snap.last_error:
         parts.append(Text(f"last error: {snap.last_error}", style="red", overflow="ellipsis"))
     if info.log:
         parts.append(Text(f"proxy warnings ({info.warnings}):", style="yellow"))
-        parts.extend(Text(line, style="dim", overflow="ellipsis", no_wrap=True) for line in info.log)
+        parts.extend(
+            Text(line, style="dim", overflow="ellipsis", no_wrap=True) for line in info.log
+        )
     parts.append(Text.assemble(("connect: ", "dim"), (info.connect, "bold cyan")))
 
     elapsed = f"{snap.elapsed:.0f}s"
@@ -235,22 +242,36 @@ def _postmaster_pid(cluster: DevCluster) -> str:
         return "?"
 
 
+class _Interrupt:
+    """Ctrl-C / SIGTERM seen: a flag while starting up, an event once the loop runs."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.stop: asyncio.Event | None = None
+
+    def __call__(self, *_: Any) -> None:
+        self.seen = True
+        if self.stop is not None:
+            self.stop.set()
+
+
 async def _demo(
-    cluster: DevCluster, duration: float, clients: int, mode: str, port: int, console: Console
+    cluster: DevCluster,
+    duration: float,
+    clients: int,
+    mode: str,
+    port: int,
+    console: Console,
+    interrupt: _Interrupt,
 ) -> int:
     from scry.log import setup_logging
 
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    interrupted = False
-
-    def on_signal() -> None:
-        nonlocal interrupted
-        interrupted = True
-        stop.set()
-
+    stop = interrupt.stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, interrupt)
+    if interrupt.seen:
+        stop.set()
     proxy: Proxy | None = None
     workload: asyncio.Task[None] | None = None
     saved_logging: tuple[list[logging.Handler], int, bool] | None = None
@@ -258,6 +279,7 @@ async def _demo(
         with console.status("loading the demo schema (customers, products, orders)..."):
             await load_schema(cluster.dsn())
         if stop.is_set():
+            console.print("interrupted")
             return 0
         proxy = await _start_proxy(cluster, mode, port, console)
         port = proxy.listen_port
@@ -275,7 +297,9 @@ async def _demo(
 
         stats = WorkloadStats()
         proxy_dsn = f"postgresql://app:app_pass@127.0.0.1:{port}/app"
-        workload = asyncio.create_task(run_workload(proxy_dsn, clients, duration or None, stats, stop))
+        workload = asyncio.create_task(
+            run_workload(proxy_dsn, clients, duration or None, stats, stop)
+        )
         prev: WorkloadSnapshot | None = None
         snap = stats.snapshot()
         with Live(
@@ -290,6 +314,8 @@ async def _demo(
                     await asyncio.wait_for(stop.wait(), REFRESH_SECONDS)
                 prev, snap = snap, stats.snapshot()
                 live.update(render_status(snap, prev, proxy, info), refresh=True)
+        if not console.is_terminal:
+            console.line()  # Live leaves its last frame without a newline here
         stop.set()
         try:
             await asyncio.wait_for(workload, WORKLOAD_STOP_TIMEOUT)
@@ -299,10 +325,15 @@ async def _demo(
         rate = snap.total / snap.elapsed if snap.elapsed else 0.0
         console.print(
             f"ran {snap.total} queries in {snap.elapsed:.1f}s ({rate:,.0f} q/s through scry), "
-            f"{snap.errors} errors ({snap.deliberate_errors} deliberate), "
+            f"{snap.errors} errors ({snap.deliberate_errors} deliberate, "
+            f"{snap.unexpected_errors} unexpected), "
             f"session state lost {snap.session_state_lost} times"
-            + (" (interrupted)" if interrupted else "")
+            + (" (interrupted)" if interrupt.seen else "")
         )
+        if info.warnings:
+            console.print(f"[yellow]scry logged {info.warnings} warnings; the last ones:[/yellow]")
+            for line in info.log:
+                console.print(Text(line, style="dim"))
         return 0
     finally:
         if workload is not None and not workload.done():
@@ -328,50 +359,60 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _error(message: str) -> None:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(Text(message, style="red"))
 
 
 def run_demo(
     duration: float = 0, clients: int = 8, mode: str = "transaction", port: int = 6432
 ) -> int:
     """Run the demo until Ctrl-C (``duration`` 0) or for ``duration`` seconds; exit code."""
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     try:
         psycopg = require_psycopg()
     except WorkloadError as exc:
-        console.print(f"[red]scry demo: {exc}[/red]")
+        _error(f"scry demo: {exc}")
         return 1
-    # Until the event loop takes over the signals: SIGTERM behaves like Ctrl-C,
-    # so that the cluster is removed either way.
-    old_term: Callable[..., Any] | int | None = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Ctrl-C or SIGTERM while PostgreSQL starts is only noted: interrupting
+    # initdb or pg_ctl half-way would leave a server or files behind. The demo
+    # stops as soon as the cluster can be stopped cleanly.
+    interrupt = _Interrupt()
+    old_int = signal.signal(signal.SIGINT, interrupt)
+    old_term = signal.signal(signal.SIGTERM, interrupt)
     cluster: DevCluster | None = None
+    started = False
     try:
         try:
             cluster = DevCluster(ssl=False, prefix="scry-demo-")
             with console.status("starting a throwaway PostgreSQL..."):
                 cluster.start()
+            started = True
         except DevClusterError as exc:
-            console.print(f"[red]scry demo: {exc}[/red]")
+            _error(f"scry demo: {exc}")
             return 1
         version = cluster.psql("SHOW server_version").split()[0]
         console.print(
             f"PostgreSQL {version} on 127.0.0.1:{cluster.port} "
             f"(data dir {cluster.data_dir}, pid {_postmaster_pid(cluster)})"
         )
-        return _run_loop(_demo(cluster, duration, clients, mode, port, console))
-    except KeyboardInterrupt:
+        if interrupt.seen:
+            console.print("interrupted")
+            return 0
+        return _run_loop(_demo(cluster, duration, clients, mode, port, console, interrupt))
+    except KeyboardInterrupt:  # pragma: no cover - signals are handled above
         console.print("interrupted")
         return 0
     except (DevClusterError, WorkloadError, OSError, psycopg.Error) as exc:
-        console.print(f"[red]scry demo: {exc}[/red]")
+        _error(f"scry demo: {exc}")
         return 1
     finally:
-        # A second Ctrl-C must not leave PostgreSQL behind half-stopped.
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if cluster is not None:
+        # Further signals must not leave PostgreSQL behind half-stopped.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if cluster is not None and started:
             with console.status("stopping PostgreSQL and removing its files..."):
                 cluster.stop()
-            console.print(f"stopped PostgreSQL and removed {cluster.base_dir}")
+            gone = "removed" if not cluster.base_dir.exists() else "could not remove"
+            console.print(f"stopped PostgreSQL and {gone} {cluster.base_dir}")
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)

@@ -134,8 +134,11 @@ class Pool:
             if not ok:
                 server.close("server_reset_query failed")
                 return
-            if "discard all" in query.lower() or "reset all" in query.lower():
+            lowered = query.lower()
+            if "discard all" in lowered or "reset all" in lowered:
                 server.applied = {}
+            if "discard all" in lowered or "deallocate all" in lowered:
+                server.statements.forget_all()
             self.release(server)
 
         server.run_internal(query, done)

@@ -27,6 +27,7 @@ from scry.protocol import messages as m
 from scry.protocol.auth import BackendAuthError, BackendAuthExchange
 from scry.protocol.errors import CONNECTION_FAILURE, ProtocolViolation
 from scry.protocol.framing import MessageReader, MessageScanner
+from scry.protocol.prepared import ServerStatements
 from scry.protocol.startup import cancel_request, startup_message
 
 if TYPE_CHECKING:
@@ -42,7 +43,15 @@ _N = m.NOTICE_RESPONSE[0]
 _TX_IDLE = m.TX_IDLE
 
 # What the relay must see in the server's stream; everything else is forwarded unread.
-RELAY_WANT = (m.READY_FOR_QUERY, m.PARAMETER_STATUS, m.ERROR_RESPONSE)
+RELAY_WANT = (
+    m.READY_FOR_QUERY,
+    m.PARAMETER_STATUS,
+    m.ERROR_RESPONSE,
+    m.PARSE_COMPLETE,
+    m.CLOSE_COMPLETE,
+)
+_PARSE_COMPLETE = m.PARSE_COMPLETE[0]
+_CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 
 _ids = itertools.count(1)
 
@@ -100,6 +109,7 @@ class ServerConnection(asyncio.Protocol):
         self._internal_error = False
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
+        self.statements = ServerStatements(pool.settings.max_prepared_statements)
 
     # --- connecting and login ------------------------------------------------
 
@@ -196,6 +206,7 @@ class ServerConnection(asyncio.Protocol):
         assert client is not None
         release = False
         cut = 0  # bytes already dropped from the front of ``out``
+        drops: list[int] | None = None  # ends of ParseComplete/CloseComplete scry caused
         for kind, end, body in events:
             if kind == _Z:
                 self.tx_status = body[0]
@@ -206,12 +217,20 @@ class ServerConnection(asyncio.Protocol):
                     cut = end
                     continue
                 self.pending -= 1
+                self.statements.on_ready()
                 release = self.pending <= 0 and body[0] == _TX_IDLE
+            elif kind in (_PARSE_COMPLETE, _CLOSE_COMPLETE):
+                if self.statements.on_response(kind):
+                    if drops is None:
+                        drops = []
+                    drops.append(end - cut)
             elif kind == _S:
                 name, value = m.parse_parameter_status(body)
                 self.params[name] = value
                 client.on_parameter_status(self, name, value)
-            elif kind == _E and self.swallow:
+            elif kind == _E and not self.swallow:
+                self.statements.on_error()
+            elif kind == _E:
                 event(
                     "could not apply a client setting on the server",
                     logging.WARNING,
@@ -221,6 +240,14 @@ class ServerConnection(asyncio.Protocol):
                 )
         if self.swallow:
             return  # still inside our own query's response
+        if drops is not None:
+            # Cut the 5-byte responses to statements scry prepared or closed itself.
+            pieces, start = [], 0
+            for end in drops:
+                pieces.append(out[start : end - 5])
+                start = end
+            pieces.append(out[start:])
+            out = b"".join(pieces)
         if out:
             client.transport.write(out)
         if release and self._scanner.at_boundary:
@@ -287,6 +314,7 @@ class ServerConnection(asyncio.Protocol):
         self.state = ACTIVE
         self.client = client
         self.pending = 0
+        self.statements.start_link()
         wanted = client.params
         if self.applied is not wanted:
             if self.applied != wanted:

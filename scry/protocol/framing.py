@@ -116,6 +116,14 @@ class MessageScanner:
         """True when the stream so far ends exactly between two messages."""
         return not self._remaining and not self._held
 
+    def detach(self) -> bytes:
+        """Stop scanning: return the held-back partial header and reset."""
+        held = self._held
+        self._held = b""
+        self._remaining = 0
+        self._collect = None
+        return held
+
     def feed(self, data: bytes) -> tuple[bytes, list[ScanEvent]]:
         """Scan ``data``; return (bytes to forward, wanted messages completed in them)."""
         n = len(data)

@@ -1,0 +1,310 @@
+"""Query fingerprints: the same statement with other literals is the same query.
+
+Three levels, cheapest first:
+
+1. exact text -> ``Shape`` (a dict hit; only literal-free texts are kept,
+   such as prepared statements with ``$n`` parameters and constant queries,
+   because texts carrying values rarely repeat);
+2. *shape key* -> ``Shape``: ``lexer.shape_of`` strips literals, comments,
+   whitespace runs and list lengths with one precompiled regex pass;
+3. a new shape goes through PostgreSQL's own parser (pglast): ``normalize``
+   for the display text and the parse tree for the tables touched and the
+   simple ``col = literal`` / ``col IN (...)`` lookups. A statement the
+   parser refuses still gets a fingerprint from the lexer alone.
+
+The fingerprint id is the first 16 hex digits of the Blake3 hash of the
+canonical normalized form (``lexer.canonical``: no comments, one space
+between tokens, unquoted words folded to lower case, literals and lists
+collapsed). It depends only on the shape, so the caches never disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import blake3
+import pglast
+from pglast import ast
+from pglast.parser import ParseError
+
+from scry.observe.anonymize import Anonymizer
+from scry.observe.lexer import PLACEHOLDER, canonical, render, shape_of, tables_by_lexer
+
+
+class Shape:
+    """What is known about one query shape; shared by all its texts."""
+
+    __slots__ = ("fingerprint", "normalized", "tables", "parsed", "eq_lookups", "lookup_columns")
+
+    def __init__(
+        self,
+        fingerprint: str,
+        normalized: str,
+        tables: tuple[str, ...],
+        parsed: bool,
+        eq_lookups: tuple[tuple[int, str], ...],
+        lookup_columns: dict[tuple[str | None, str], str],
+    ) -> None:
+        #: 16 hex digits.
+        self.fingerprint = fingerprint
+        #: Display text: literals as $n (leftovers hashed when anonymizing).
+        self.normalized = normalized
+        #: Tables touched, schema-qualified when the query qualified them.
+        self.tables = tables
+        #: False when PostgreSQL's parser refused the text (lexer fallback).
+        self.parsed = parsed
+        #: (literal ordinal, "table.column") for ``col = literal`` lookups,
+        #: valid when the text's literal list was not collapsed.
+        self.eq_lookups = eq_lookups
+        #: (qualifier, column) -> "table.column" for every simple lookup.
+        self.lookup_columns = lookup_columns
+
+
+class Fingerprinter:
+    """Text -> ``Shape`` with bounded caches; ``lookup`` also returns the
+    literal tokens of this very text (for hot-value sketches)."""
+
+    def __init__(
+        self, anonymizer: Anonymizer | None, max_shapes: int = 20_000, max_texts: int = 10_000
+    ) -> None:
+        self._anonymizer = anonymizer
+        self._shapes: dict[bytes | str, Shape] = {}
+        self._texts: dict[bytes, Shape] = {}
+        self._max_shapes = max_shapes
+        self._max_texts = max_texts
+        #: How many texts went through PostgreSQL's parser (new shapes).
+        self.parses = 0
+
+    def lookup(self, text: bytes) -> tuple[Shape, list[Any], bool]:
+        """(shape, literal tokens in order, whether a literal list was collapsed)."""
+        shape = self._texts.get(text)
+        if shape is not None:
+            return shape, [], False
+        key, literals, collapsed = shape_of(text)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._new_shape(text)
+            if len(self._shapes) >= self._max_shapes:
+                self._shapes.clear()  # cheap and rare; hot shapes come back at once
+            self._shapes[key] = shape
+        if not literals or all(lit[:1] in (b"$", "$") for lit in literals):
+            if len(self._texts) >= self._max_texts:
+                self._texts.clear()
+            self._texts[text] = shape
+        return shape, literals, collapsed
+
+    def fingerprint(self, text: bytes | str) -> Shape:
+        """The shape of one text (a convenience over ``lookup``)."""
+        if isinstance(text, str):
+            text = text.encode("utf-8", "surrogatepass")
+        return self.lookup(text)[0]
+
+    def _new_shape(self, raw: bytes) -> Shape:
+        self.parses += 1
+        text = raw.decode("utf-8", "replace").replace("\0", "")
+        literal = self._anonymizer.literal_token if self._anonymizer else (lambda _k, v: v)
+        try:
+            statements = pglast.parse_sql(text)
+            normalized_raw = pglast.parser.normalize(text)
+        except (ParseError, ValueError, RecursionError):
+            return _shape(canonical(text), render(text, None), tables_by_lexer(text), False, {})
+        tables, columns = _tables_and_lookups(statements)
+        # normalize() leaves literals in utility statements (SET, COPY, DDL):
+        # render() hashes those when anonymizing.
+        display = render(normalized_raw, literal)
+        # Ordinals of lookup literals are counted in the client's own text,
+        # the way shape_of counts them.
+        eq = _eq_ordinals(canonical(text).replace("?", PLACEHOLDER), columns) if columns else ()
+        return _shape(canonical(normalized_raw), display, tables, True, columns, eq)
+
+
+def _shape(
+    canon: str,
+    display: str,
+    tables: tuple[str, ...],
+    parsed: bool,
+    columns: dict[tuple[str | None, str], str],
+    eq: tuple[tuple[int, str], ...] = (),
+) -> Shape:
+    fingerprint = blake3.blake3(canon.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return Shape(fingerprint, display, tables, parsed, eq, columns)
+
+
+_LIT = rb"(?:[-+]\s*)?(?:[0-9][\w.]*(?:[eE][+-]?[0-9]+)?|'(?:[^']|'')*')"
+_LOOKUP_B = re.compile(
+    rb"(?i)(?:\b([A-Za-z_][\w$]*)\s*\.\s*)?\b([A-Za-z_][\w$]*)\s*(?:=\s*("
+    + _LIT
+    + rb")|\bIN\s*\(\s*("
+    + _LIT
+    + rb"(?:\s*,\s*"
+    + _LIT
+    + rb")*)\s*\))"
+)
+_LIT_B = re.compile(_LIT)
+
+
+def lookup_values(
+    shape: Shape, text: bytes, literals: list[Any], collapsed: bool
+) -> list[tuple[str, Any]]:
+    """("table.column", literal token) for each simple lookup value in this text.
+
+    Bind parameters carry no value here and are skipped. Texts that needed
+    the full lexer and also carry literal lists are skipped too (rare).
+    """
+    if not shape.lookup_columns or not literals:
+        return []
+    if shape.eq_lookups and not collapsed:
+        n = len(literals)
+        return [
+            (label, literals[i])
+            for i, label in shape.eq_lookups
+            if i < n and literals[i][:1] not in (b"$", "$")
+        ]
+    if not isinstance(literals[0], bytes):
+        return []
+    found: list[tuple[str, Any]] = []
+    columns = shape.lookup_columns
+    for m in _LOOKUP_B.finditer(text):
+        qualifier = m.group(1).decode().lower() if m.group(1) else None
+        label = columns.get((qualifier, m.group(2).decode().lower()))
+        if label is None:
+            continue
+        if m.group(3) is not None:
+            found.append((label, m.group(3)))
+        else:
+            found.extend((label, v) for v in _LIT_B.findall(m.group(4)))
+    return found
+
+
+_IDENT = r'(?:"(?:[^"]|"")+"|[a-z_][\w$]*)'
+_EQ_PLACEHOLDER = re.compile(rf"(?:({_IDENT}) \. )?({_IDENT}) = \x00")
+
+
+def _eq_ordinals(
+    canon: str, columns: dict[tuple[str | None, str], str]
+) -> tuple[tuple[int, str], ...]:
+    """Literal ordinals of ``col = literal`` in a canonical form without lists."""
+    if " in ( \0 )" in canon or " array [ \0 ]" in canon:
+        return ()  # ordinals shift with list lengths: use the regex path
+    found = []
+    for m in _EQ_PLACEHOLDER.finditer(canon):
+        label = columns.get((_ident(m.group(1)), _ident(m.group(2)) or ""))
+        if label is not None:
+            found.append((canon.count("\0", 0, m.end() - 1), label))
+    return tuple(found)
+
+
+def _ident(name: str | None) -> str | None:
+    if name is None:
+        return None
+    return name[1:-1].replace('""', '"') if name.startswith('"') else name.lower()
+
+
+# --------------------------------------------------------------------------- #
+# The parse tree: tables touched and simple lookups
+# --------------------------------------------------------------------------- #
+
+
+def _tables_and_lookups(
+    statements: tuple[Any, ...],
+) -> tuple[tuple[str, ...], dict[tuple[str | None, str], str]]:
+    tables: dict[str, None] = {}
+    ctes: set[str] = set()
+    for node in _walk(statements):
+        if isinstance(node, ast.CommonTableExpr):
+            ctes.add(node.ctename)
+    for node in _walk(statements):
+        if isinstance(node, ast.RangeVar) and not (
+            node.schemaname is None and node.relname in ctes
+        ):
+            tables[_qualified(node)] = None
+    columns: dict[tuple[str | None, str], str] = {}
+    if len(statements) == 1:
+        _collect_lookups(statements[0].stmt, columns)
+    return tuple(tables), columns
+
+
+def _walk(node: Any) -> Any:
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, tuple | list):
+            stack.extend(item)
+        elif isinstance(item, ast.Node):
+            yield item
+            for name in item:  # attribute names of the node
+                value = getattr(item, name)
+                if isinstance(value, ast.Node | tuple | list):
+                    stack.append(value)
+
+
+def _qualified(rv: Any) -> str:
+    return f"{rv.schemaname}.{rv.relname}" if rv.schemaname else rv.relname
+
+
+def _collect_lookups(stmt: Any, out: dict[tuple[str | None, str], str]) -> None:
+    if isinstance(stmt, ast.SelectStmt):
+        sources = stmt.fromClause or ()
+    elif isinstance(stmt, ast.UpdateStmt):
+        sources = (stmt.relation, *(stmt.fromClause or ()))
+    elif isinstance(stmt, ast.DeleteStmt):
+        sources = (stmt.relation, *(stmt.usingClause or ()))
+    else:
+        return
+    if stmt.whereClause is None:
+        return
+    aliases: dict[str, str] = {}
+    for source in _flatten_joins(sources):
+        if isinstance(source, ast.RangeVar):
+            name = _qualified(source)
+            aliases[source.alias.aliasname if source.alias else source.relname] = name
+    only = next(iter(aliases.values())) if len(aliases) == 1 else None
+    for expr in _conjuncts(stmt.whereClause):
+        column = _lookup_column(expr)
+        if column is None:
+            continue
+        qualifier, name = column
+        table = aliases.get(qualifier) if qualifier else only
+        if table is not None:
+            out[(qualifier, name)] = f"{table}.{name}"
+
+
+def _flatten_joins(sources: Any) -> list[Any]:
+    out: list[Any] = []
+    for source in sources:
+        if isinstance(source, ast.JoinExpr):
+            out.extend(_flatten_joins((source.larg, source.rarg)))
+        else:
+            out.append(source)
+    return out
+
+
+def _conjuncts(expr: Any) -> list[Any]:
+    if isinstance(expr, ast.BoolExpr) and expr.boolop == pglast.enums.BoolExprType.AND_EXPR:
+        return [e for arg in expr.args for e in _conjuncts(arg)]
+    return [expr]
+
+
+def _is_value(node: Any) -> bool:
+    if isinstance(node, ast.TypeCast):
+        node = node.arg
+    return isinstance(node, ast.A_Const | ast.ParamRef)
+
+
+def _lookup_column(expr: Any) -> tuple[str | None, str] | None:
+    if not isinstance(expr, ast.A_Expr) or not isinstance(expr.lexpr, ast.ColumnRef):
+        return None
+    kind = expr.kind
+    if kind == pglast.enums.A_Expr_Kind.AEXPR_OP:
+        if len(expr.name) != 1 or expr.name[0].sval != "=" or not _is_value(expr.rexpr):
+            return None
+    elif kind == pglast.enums.A_Expr_Kind.AEXPR_IN:
+        if not isinstance(expr.rexpr, tuple) or not all(_is_value(v) for v in expr.rexpr):
+            return None
+    else:
+        return None
+    fields = [f.sval for f in expr.lexpr.fields if isinstance(f, ast.String)]
+    if len(fields) != len(expr.lexpr.fields) or not 1 <= len(fields) <= 2:
+        return None
+    return (fields[0] if len(fields) == 2 else None), fields[-1]

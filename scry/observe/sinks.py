@@ -1,0 +1,240 @@
+"""Where event batches go, and the background task that ships them.
+
+``EventShipper`` takes batches out of the ``EventRing`` (when ``batch_size``
+events are waiting or every ``flush_interval`` seconds), encodes them
+(``events.encode_batch``) and hands them to a sink:
+
+``NullSink``   discards (the ``none`` sink).
+``FileSink``   appends framed batches to a file, rotating by size and keeping
+               ``keep`` old files (``events.log.1`` is the newest old one).
+``HttpSink``   POSTs each batch with httpx, retrying with exponential backoff
+               up to ``max_attempts``; a batch that still fails is dropped and
+               counted. While a sink is slow the ring keeps filling and drops
+               its oldest events: queries are never held back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from scry.observe.events import FLAG_GZIP, EventRing, encode_batch, frame
+
+
+class Sink(Protocol):
+    """Receives encoded batches."""
+
+    async def write(self, payload: bytes, flags: int, count: int) -> bool:
+        """Deliver one batch; False when it was given up on."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class NullSink:
+    """The ``none`` sink."""
+
+    async def write(self, payload: bytes, flags: int, count: int) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+class FileSink:
+    """Framed batches appended to ``path``, rotated at ``max_bytes``."""
+
+    def __init__(self, path: str | Path, *, max_bytes: int = 64 << 20, keep: int = 5) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._file: Any = None
+        self._size = 0
+        self.rotations = 0
+
+    async def write(self, payload: bytes, flags: int, count: int) -> bool:
+        # Small appends, but still file I/O: keep it off the event loop.
+        await asyncio.to_thread(self._write, frame(payload, flags))
+        return True
+
+    def _write(self, data: bytes) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")  # noqa: SIM115 - kept open across batches
+            self._size = self._file.tell()
+        if self._size and self._size + len(data) > self.max_bytes:
+            self._rotate()
+        self._file.write(data)
+        self._file.flush()
+        self._size += len(data)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        for i in range(self.keep - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+        if self.keep > 0:
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        else:
+            self.path.unlink()
+        self._file = open(self.path, "ab")  # noqa: SIM115
+        self._size = 0
+        self.rotations += 1
+
+    async def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class HttpSink:
+    """POST each batch to ``url``; retry with capped exponential backoff."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        max_attempts: int = 5,
+        backoff: float = 0.2,
+        max_backoff: float = 5.0,
+        timeout: float = 5.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.url = url
+        self._client = client or httpx.AsyncClient(timeout=timeout)
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._sleep = sleep
+        self.retries = 0
+        self.failed_batches = 0
+
+    async def write(self, payload: bytes, flags: int, count: int) -> bool:
+        headers = {
+            "Content-Type": "application/x-scry-events+flexbuffers",
+            "X-Scry-Events": str(count),
+        }
+        if flags & FLAG_GZIP:
+            headers["Content-Encoding"] = "gzip"
+        delay = self.backoff
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                response = await self._client.post(self.url, content=payload, headers=headers)
+                if response.status_code < 500 and response.status_code != 429:
+                    # 4xx other than 429 will not get better by retrying.
+                    return response.is_success
+            except httpx.HTTPError:
+                pass
+            if attempt == self.max_attempts:
+                break
+            self.retries += 1
+            await self._sleep(delay)
+            delay = min(delay * 2, self.max_backoff)
+        self.failed_batches += 1
+        return False
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def make_sink(events_config: Any) -> Sink:
+    """The sink an ``EventsConfig`` asks for."""
+    if events_config.sink == "file":
+        return FileSink(events_config.path)
+    if events_config.sink == "http":
+        return HttpSink(events_config.url)
+    return NullSink()
+
+
+class EventShipper:
+    """The background task that drains the ring into a sink in batches."""
+
+    def __init__(
+        self,
+        ring: EventRing,
+        sink: Sink,
+        *,
+        batch_size: int = 100,
+        flush_interval: float = 1.0,
+        compression: str = "gzip",
+        on_flush: Callable[[int, float, bool], None] | None = None,
+    ) -> None:
+        self.ring = ring
+        self.sink = sink
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval
+        self.compression = compression
+        self._on_flush = on_flush
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.batches = 0
+        self.shipped = 0
+        self.lost = 0  # events in batches a sink gave up on
+
+    def notify(self) -> None:
+        """Wake the shipper early when a full batch is waiting."""
+        if len(self.ring) >= self.batch_size:
+            self._wake.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="scry-events")
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Flush what is left (within ``timeout``) and close the sink."""
+        if self._task is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(self._task, timeout)
+        except (TimeoutError, asyncio.CancelledError):
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self._task = None
+        await self.sink.close()
+
+    async def _run(self) -> None:
+        while True:
+            if len(self.ring) < self.batch_size and not self._stopping:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.flush_interval)
+            while self.ring:
+                await self.flush_once()
+                if len(self.ring) < self.batch_size and not self._stopping:
+                    break
+            if self._stopping and not self.ring:
+                return
+
+    async def flush_once(self) -> int:
+        """Ship one batch now; returns how many events it held."""
+        batch = self.ring.take(self.batch_size)
+        if not batch:
+            return 0
+        started = time.perf_counter()
+        payload, flags = encode_batch(batch, self.compression)
+        try:
+            ok = await self.sink.write(payload, flags, len(batch))
+        except Exception:  # a broken sink must not kill the pipeline
+            ok = False
+        self.batches += 1
+        if ok:
+            self.shipped += len(batch)
+        else:
+            self.lost += len(batch)
+        if self._on_flush is not None:
+            self._on_flush(len(batch), time.perf_counter() - started, ok)
+        return len(batch)

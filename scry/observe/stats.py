@@ -1,0 +1,315 @@
+"""Per-fingerprint statistics, cumulative and over a sliding window, with bounded memory.
+
+Each fingerprint keeps running totals (calls, errors, rows, time, min/max,
+queue and backend time, a log-bucketed latency histogram) and a ring of
+``slots`` buckets of ``slot_seconds`` each (by default 12 x 5 s = the last
+minute), so ``top`` can rank by what hurts *now* as well as since start.
+At most ``max_fingerprints`` are kept; the least recently seen is evicted
+and counted, and its totals are folded into one "evicted" aggregate so the
+overall totals stay exact.
+
+Times are microseconds internally and milliseconds in the ranking output.
+Timestamps are wall-clock seconds taken from the records, and ``now`` comes
+from an injectable clock, so tests drive the window without sleeping.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from scry.observe.histogram import _DIRECT, SUB_BITS, merge_into, percentiles
+
+RANKINGS = ("total_time", "mean", "calls", "errors", "p99")
+
+# Slot layout (a list, for speed): the epoch it covers, then the sums.
+_EPOCH, _CALLS, _ERRORS, _ROWS, _TOTAL, _QUEUE, _BACKEND, _MIN, _MAX, _HIST = range(10)
+_MAX_US = (1 << 40) - 1
+
+
+def _new_slot(epoch: int) -> list[Any]:
+    return [epoch, 0, 0, 0, 0, 0, 0, _MAX_US, 0, {}]
+
+
+class QueryStats:
+    """Totals for one fingerprint (``slots`` is the sliding-window ring)."""
+
+    __slots__ = (
+        "fingerprint",
+        "query",
+        "calls",
+        "errors",
+        "rows",
+        "total_us",
+        "queue_us",
+        "backend_us",
+        "min_us",
+        "max_us",
+        "hist",
+        "first_seen",
+        "last_seen",
+        "slots",
+    )
+
+    def __init__(self, fingerprint: str, query: str, ts: float, nslots: int) -> None:
+        self.fingerprint = fingerprint
+        self.query = query
+        self.calls = self.errors = self.rows = 0
+        self.total_us = self.queue_us = self.backend_us = 0
+        self.min_us = _MAX_US
+        self.max_us = 0
+        self.hist: dict[int, int] = {}
+        self.first_seen = self.last_seen = ts
+        self.slots: list[list[Any]] = [_new_slot(-1) for _ in range(nslots)]
+
+    def as_slot(self) -> list[Any]:
+        """The cumulative totals in slot layout."""
+        return [
+            0,
+            self.calls,
+            self.errors,
+            self.rows,
+            self.total_us,
+            self.queue_us,
+            self.backend_us,
+            self.min_us,
+            self.max_us,
+            self.hist,
+        ]
+
+
+class StatsTable:
+    """All fingerprints' statistics; ``add`` is called once per record."""
+
+    def __init__(
+        self,
+        max_fingerprints: int,
+        *,
+        slot_seconds: int = 5,
+        slots: int = 12,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_fingerprints = max_fingerprints
+        self.slot_seconds = slot_seconds
+        self.nslots = slots
+        self.clock = clock
+        self._entries: OrderedDict[str, QueryStats] = OrderedDict()
+        #: Fingerprints dropped to stay within max_fingerprints.
+        self.evicted = 0
+        self._evicted_totals = QueryStats("", "", 0.0, slots)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, fingerprint: str) -> QueryStats | None:
+        """The statistics of one fingerprint, if kept."""
+        return self._entries.get(fingerprint)
+
+    def add(
+        self,
+        fingerprint: str,
+        query: str,
+        ts: float,
+        total_us: int,
+        queue_us: int,
+        backend_us: int,
+        rows: int,
+        error: bool,
+    ) -> None:
+        """Count one completed statement."""
+        entries = self._entries
+        e = entries.get(fingerprint)
+        if e is None:
+            e = entries[fingerprint] = QueryStats(fingerprint, query, ts, self.nslots)
+            if len(entries) > self.max_fingerprints:
+                self._evict(entries.popitem(last=False)[1])
+        else:
+            entries.move_to_end(fingerprint)
+        if total_us < 0:
+            total_us = 0
+        if total_us < _DIRECT:
+            bucket = total_us
+        else:
+            if total_us > _MAX_US:
+                total_us = _MAX_US
+            shift = total_us.bit_length() - SUB_BITS - 1
+            bucket = (shift << SUB_BITS) + (total_us >> shift)
+        e.calls += 1
+        e.rows += rows
+        e.total_us += total_us
+        e.queue_us += queue_us
+        e.backend_us += backend_us
+        if total_us < e.min_us:
+            e.min_us = total_us
+        if total_us > e.max_us:
+            e.max_us = total_us
+        hist = e.hist
+        hist[bucket] = hist.get(bucket, 0) + 1
+        if ts > e.last_seen:
+            e.last_seen = ts
+        if error:
+            e.errors += 1
+        epoch = int(ts) // self.slot_seconds
+        slot = e.slots[epoch % self.nslots]
+        if slot[0] != epoch:
+            if epoch < slot[0]:
+                return  # older than the window the ring still holds
+            slot = e.slots[epoch % self.nslots] = _new_slot(epoch)
+        slot[1] += 1
+        slot[2] += error
+        slot[3] += rows
+        slot[4] += total_us
+        slot[5] += queue_us
+        slot[6] += backend_us
+        if total_us < slot[7]:
+            slot[7] = total_us
+        if total_us > slot[8]:
+            slot[8] = total_us
+        shist = slot[9]
+        shist[bucket] = shist.get(bucket, 0) + 1
+
+    def _evict(self, e: QueryStats) -> None:
+        self.evicted += 1
+        _fold(e, self._evicted_totals)
+
+    # ------------------------------------------------------------------ #
+    # Reading
+    # ------------------------------------------------------------------ #
+
+    def _window_view(self, e: QueryStats, first_epoch: int, last_epoch: int) -> list[Any] | None:
+        view = _new_slot(0)
+        for slot in e.slots:
+            if first_epoch <= slot[_EPOCH] <= last_epoch and slot[_CALLS]:
+                _add_slot(view, slot)
+        return view if view[_CALLS] else None
+
+    def _views(self, window_seconds: float | None, now: float | None) -> list[tuple[QueryStats, list[Any]]]:
+        if window_seconds is None:
+            return [(e, e.as_slot()) for e in self._entries.values()]
+        first, last = self._epochs(window_seconds, now)
+        views = []
+        for e in self._entries.values():
+            view = self._window_view(e, first, last)
+            if view is not None:
+                views.append((e, view))
+        return views
+
+    def _epochs(self, window_seconds: float, now: float | None) -> tuple[int, int]:
+        now = self.clock() if now is None else now
+        last = int(now) // self.slot_seconds
+        span = max(1, min(self.nslots, -(-int(window_seconds) // self.slot_seconds)))
+        return last - span + 1, last
+
+    def top(
+        self,
+        by: str = "total_time",
+        limit: int = 20,
+        window_seconds: float | None = None,
+        now: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """The ``limit`` heaviest fingerprints, cumulative or over the last
+        ``window_seconds`` (rounded up to whole slots, at most the ring)."""
+        if by not in RANKINGS:
+            raise ValueError(f"top(by=...) must be one of {', '.join(RANKINGS)}, not {by!r}")
+        views = self._views(window_seconds, now)
+        grand_total = sum(v[_TOTAL] for _, v in views)
+        if window_seconds is None:
+            grand_total += self._evicted_totals.total_us
+        key: Callable[[tuple[QueryStats, list[Any]]], float]
+        if by == "total_time":
+            key = lambda ev: ev[1][_TOTAL]  # noqa: E731
+        elif by == "mean":
+            key = lambda ev: ev[1][_TOTAL] / ev[1][_CALLS]  # noqa: E731
+        elif by == "calls":
+            key = lambda ev: ev[1][_CALLS]  # noqa: E731
+        elif by == "errors":
+            key = lambda ev: ev[1][_ERRORS]  # noqa: E731
+        else:
+            key = lambda ev: percentiles(ev[1][_HIST], (0.99,))[0]  # noqa: E731
+        chosen = heapq.nlargest(limit, views, key=key)
+        return [_row(e, v, grand_total) for e, v in chosen]
+
+    def summary(self, window_seconds: float = 60, now: float | None = None) -> dict[str, Any]:
+        """Totals over everything and over the last window (qps, p99)."""
+        total = _new_slot(0)
+        for e in self._entries.values():
+            _add_slot(total, e.as_slot())
+        _add_slot(total, self._evicted_totals.as_slot())
+        window = _new_slot(0)
+        first, last = self._epochs(window_seconds, now)
+        for e in (*self._entries.values(), self._evicted_totals):
+            for slot in e.slots:
+                if first <= slot[_EPOCH] <= last:
+                    _add_slot(window, slot)
+        seconds = (last - first + 1) * self.slot_seconds
+        p50, p99 = percentiles(total[_HIST], (0.5, 0.99))
+        (wp99,) = percentiles(window[_HIST], (0.99,))
+        return {
+            "queries": total[_CALLS],
+            "errors": total[_ERRORS],
+            "rows": total[_ROWS],
+            "total_ms": total[_TOTAL] / 1000,
+            "p50_ms": p50 / 1000,
+            "p99_ms": p99 / 1000,
+            "window_seconds": seconds,
+            "window_queries": window[_CALLS],
+            "window_errors": window[_ERRORS],
+            "qps": window[_CALLS] / seconds,
+            "window_p99_ms": wp99 / 1000,
+            "fingerprints": len(self._entries),
+            "evicted_fingerprints": self.evicted,
+        }
+
+
+def _add_slot(target: list[Any], slot: list[Any]) -> None:
+    for i in (_CALLS, _ERRORS, _ROWS, _TOTAL, _QUEUE, _BACKEND):
+        target[i] += slot[i]
+    target[_MIN] = min(target[_MIN], slot[_MIN])
+    target[_MAX] = max(target[_MAX], slot[_MAX])
+    merge_into(target[_HIST], slot[_HIST])
+
+
+def _fold(source: QueryStats, target: QueryStats) -> None:
+    target.calls += source.calls
+    target.errors += source.errors
+    target.rows += source.rows
+    target.total_us += source.total_us
+    target.queue_us += source.queue_us
+    target.backend_us += source.backend_us
+    target.min_us = min(target.min_us, source.min_us)
+    target.max_us = max(target.max_us, source.max_us)
+    merge_into(target.hist, source.hist)
+    for i, slot in enumerate(source.slots):
+        mine = target.slots[i]
+        if slot[_EPOCH] > mine[_EPOCH]:
+            mine = target.slots[i] = _new_slot(slot[_EPOCH])
+        if slot[_EPOCH] == mine[_EPOCH]:
+            _add_slot(mine, slot)
+
+
+def _row(e: QueryStats, v: list[Any], grand_total: int) -> dict[str, Any]:
+    calls = v[_CALLS]
+    p50, p95, p99 = percentiles(v[_HIST], (0.5, 0.95, 0.99))
+    return {
+        "fingerprint": e.fingerprint,
+        "query": e.query,
+        "calls": calls,
+        "errors": v[_ERRORS],
+        "rows": v[_ROWS],
+        "total_ms": v[_TOTAL] / 1000,
+        "mean_ms": v[_TOTAL] / calls / 1000 if calls else 0.0,
+        "min_ms": v[_MIN] / 1000 if calls else 0.0,
+        "max_ms": v[_MAX] / 1000,
+        "p50_ms": p50 / 1000,
+        "p95_ms": p95 / 1000,
+        "p99_ms": p99 / 1000,
+        "share": v[_TOTAL] / grand_total if grand_total else 0.0,
+        "queue_ms_mean": v[_QUEUE] / calls / 1000 if calls else 0.0,
+        "backend_ms_mean": v[_BACKEND] / calls / 1000 if calls else 0.0,
+        "total_ms_mean": v[_TOTAL] / calls / 1000 if calls else 0.0,
+        "first_seen": e.first_seen,
+        "last_seen": e.last_seen,
+    }

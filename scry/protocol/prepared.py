@@ -1,0 +1,214 @@
+"""Protocol-level prepared statements across pooled servers, without I/O.
+
+In transaction and hybrid pooling a client's next transaction may run on
+another server, where its named prepared statements do not exist. As
+PgBouncer's ``max_prepared_statements`` does, scry keeps each client's
+statements itself and gives every distinct statement (query text plus
+parameter types) one server-side name, ``scry_<hash>``, prepared on demand on
+whichever server serves the client and kept there in an LRU:
+
+* ``Parse(name)``: remembered for the client. If the server lacks the
+  statement it is prepared under its server-side name; if the server already
+  has it, the text is parsed under a scratch name that is closed right away,
+  so the client still gets the ParseComplete it expects (and any parse error)
+  without scry inventing responses or touching the unnamed statement.
+* ``Bind``/``Describe`` of a named statement: renamed; if the server lacks the
+  statement, a Parse is inserted first and its ParseComplete is dropped from
+  the response stream.
+* ``Close`` of a named statement: forgotten for the client; the server-side
+  statement stays for other clients. The Close is sent for a name that never
+  exists, which PostgreSQL answers with CloseComplete.
+
+Responses: every Parse and Close sent is recorded in order (``expect``);
+ParseComplete/CloseComplete from the server pop that record, and the ones
+scry caused are dropped. After an ErrorResponse PostgreSQL skips everything
+up to the next Sync, so the records of that Sync segment are discarded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from typing import NamedTuple
+
+from scry.protocol import messages as m
+
+_P = m.PARSE[0]
+_B = m.BIND[0]
+_D = m.DESCRIBE[0]
+_C = m.CLOSE[0]
+_SYNC = m.SYNC[0]
+_Q = m.QUERY[0]
+_F = m.FUNCTION_CALL[0]
+PARSE_COMPLETE = m.PARSE_COMPLETE[0]
+CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
+_STATEMENT = ord("S")
+_NEVER_EXISTS = b"scry_closed"  # Close of a name that does not exist: CloseComplete
+_SCRATCH = b"scry_scratch"  # parsed and closed at once, to answer a repeated Parse
+_HEADER = struct.Struct("!cI")
+
+
+def _msg(kind: int, body: bytes) -> bytes:
+    return _HEADER.pack(bytes((kind,)), len(body) + 4) + body
+
+
+def server_name(parse_rest: bytes) -> bytes:
+    """The server-side name of a statement: a hash of its text and parameter types."""
+    return b"scry_" + hashlib.blake2b(parse_rest, digest_size=10).hexdigest().encode()
+
+
+class Expected(NamedTuple):
+    kind: int  # PARSE_COMPLETE or CLOSE_COMPLETE
+    drop: bool  # caused by scry, not by the client: do not forward
+    segment: int  # Sync segment the request belongs to
+
+
+class ServerStatements:
+    """The prepared statements one backend holds, and the responses owed for them."""
+
+    __slots__ = ("capacity", "names", "expect", "segments_sent", "segments_done")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.names: OrderedDict[bytes, None] = OrderedDict()
+        self.expect: deque[Expected] = deque()
+        self.segments_sent = 0  # Sync/Query/FunctionCall messages sent this link
+        self.segments_done = 0  # ReadyForQuery messages received this link
+
+    def start_link(self) -> None:
+        """A new client link: nothing is owed (the server was idle)."""
+        self.expect.clear()
+        self.segments_sent = 0
+        self.segments_done = 0
+
+    def forget_all(self) -> None:
+        """DISCARD ALL / DEALLOCATE ALL ran: the backend has no statements left."""
+        self.names.clear()
+
+    def on_response(self, kind: int) -> bool:
+        """ParseComplete or CloseComplete arrived: True if the client must not see it."""
+        expect = self.expect
+        if expect and expect[0].kind == kind:
+            return expect.popleft().drop
+        return False
+
+    def on_error(self) -> None:
+        """ErrorResponse: PostgreSQL skips the rest of this Sync segment."""
+        expect = self.expect
+        segment = self.segments_done
+        while expect and expect[0].segment == segment:
+            expect.popleft()
+
+    def on_ready(self) -> None:
+        self.segments_done += 1
+        # Anything still recorded for a finished segment was skipped.
+        expect = self.expect
+        while expect and expect[0].segment < self.segments_done:
+            expect.popleft()
+
+
+class ClientStatements:
+    """A client's named prepared statements: client name -> (server name, Parse body rest)."""
+
+    __slots__ = ("by_name",)
+
+    def __init__(self) -> None:
+        self.by_name: dict[bytes, tuple[bytes, bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+
+def uses_named_statement(kind: int, body: bytes) -> bool:
+    """Does this client message refer to a named prepared statement?"""
+    if kind == _P:
+        return body[:1] != b"\x00"
+    if kind == _B:
+        portal_end = body.index(b"\x00")
+        return body[portal_end + 1 : portal_end + 2] != b"\x00"
+    if kind in (_D, _C):
+        return body[:1] == b"S" and body[1:2] != b"\x00"
+    return False
+
+
+def rewrite(
+    messages: list[tuple[int, bytes]], client: ClientStatements, server: ServerStatements
+) -> bytes:
+    """Rewrite a batch of whole client messages for ``server``; returns the bytes to send."""
+    out: list[bytes] = []
+    expect = server.expect
+    # The caller adds the batch's Sync/Query/FunctionCall count to
+    # ``segments_sent`` after sending; here it only numbers the records.
+    segment = server.segments_sent
+    for kind, body in messages:
+        if kind == _P:
+            nul = body.index(b"\x00")
+            name, rest = body[:nul], body[nul + 1 :]
+            if not name:
+                expect.append(Expected(PARSE_COMPLETE, False, segment))
+                out.append(_msg(kind, body))
+                continue
+            sname = server_name(rest)
+            client.by_name[name] = (sname, rest)
+            if sname in server.names:
+                server.names.move_to_end(sname)
+                expect.append(Expected(PARSE_COMPLETE, False, segment))
+                out.append(_msg(_P, _SCRATCH + b"\x00" + rest))
+                expect.append(Expected(CLOSE_COMPLETE, True, segment))
+                out.append(_msg(_C, b"S" + _SCRATCH + b"\x00"))
+            else:
+                _prepare(out, server, sname, rest, False, segment)
+        elif kind == _B:
+            portal_end = body.index(b"\x00")
+            stmt_end = body.index(b"\x00", portal_end + 1)
+            name = body[portal_end + 1 : stmt_end]
+            known = client.by_name.get(name) if name else None
+            if known is None:
+                out.append(_msg(kind, body))
+                continue
+            sname = _ensure(out, server, known, segment)
+            out.append(_msg(_B, body[: portal_end + 1] + sname + body[stmt_end:]))
+        elif kind in (_D, _C):
+            name = body[1:-1]
+            if body[0] != _STATEMENT or not name or name not in client.by_name:
+                if kind == _C:
+                    expect.append(Expected(CLOSE_COMPLETE, False, segment))
+                out.append(_msg(kind, body))
+                continue
+            if kind == _D:
+                sname = _ensure(out, server, client.by_name[name], segment)
+                out.append(_msg(_D, b"S" + sname + b"\x00"))
+            else:
+                del client.by_name[name]
+                expect.append(Expected(CLOSE_COMPLETE, False, segment))
+                out.append(_msg(_C, b"S" + _NEVER_EXISTS + b"\x00"))
+        else:
+            if kind in (_SYNC, _Q, _F):
+                segment += 1
+            out.append(_msg(kind, body))
+    return b"".join(out)
+
+
+def _ensure(
+    out: list[bytes], server: ServerStatements, known: tuple[bytes, bytes], segment: int
+) -> bytes:
+    sname, rest = known
+    if sname in server.names:
+        server.names.move_to_end(sname)
+    else:
+        _prepare(out, server, sname, rest, True, segment)
+    return sname
+
+
+def _prepare(
+    out: list[bytes], server: ServerStatements, sname: bytes, rest: bytes, drop: bool, segment: int
+) -> None:
+    names = server.names
+    while len(names) >= server.capacity:
+        evicted, _ = names.popitem(last=False)
+        server.expect.append(Expected(CLOSE_COMPLETE, True, segment))
+        out.append(_msg(_C, b"S" + evicted + b"\x00"))
+    names[sname] = None
+    server.expect.append(Expected(PARSE_COMPLETE, drop, segment))
+    out.append(_msg(_P, sname + b"\x00" + rest))
