@@ -161,6 +161,8 @@ class ClientConnection(asyncio.Protocol):
         # Set once the client uses named prepared statements under transaction or
         # hybrid pooling: from then on its messages are read whole and rewritten.
         self._messages: MessageReader | None = None
+        self.unanswered: list[tuple[bytes | list[tuple[int, bytes]], int]] | None = None
+        self._retried = False
         self.statements: ClientStatements | None = None
         self._queued_bytes = 0
         self._syncs_since_execute = 0
@@ -387,6 +389,7 @@ class ClientConnection(asyncio.Protocol):
         """Send to our server, or queue and ask the pool for one."""
         server = self.server
         if server is not None:
+            self.unanswered = None  # more than the first batch: no longer retryable
             data = payload if isinstance(payload, bytes) else self._render(payload, server)
             server.pending += owed
             server.statements.segments_sent += owed
@@ -511,7 +514,10 @@ class ClientConnection(asyncio.Protocol):
                 )
                 statements.segments_sent += owed
             data = b"".join(parts) if len(parts) > 1 else parts[0]
-            self._queue.clear()
+            # Kept until the server answers: if it dies first, nothing ran and
+            # the same messages can go to another server.
+            self.unanswered = self._queue
+            self._queue = []
             server.pending += self._queued_owed
             self._queued_owed = 0
             self._queued_bytes = 0
@@ -521,6 +527,7 @@ class ClientConnection(asyncio.Protocol):
         """The server answered everything and is idle: give it back if pooling allows."""
         if not self.transaction_pooling or not self._at_boundary():
             return
+        self._retried = False
         self.server = None
         server.unlink()
         assert self.pool is not None
@@ -535,11 +542,28 @@ class ClientConnection(asyncio.Protocol):
                 self.application_name = value
 
     def on_server_lost(self, server: ServerConnection, reason: str) -> None:
-        """Our server died under us: the session is gone, so is the client."""
+        """Our server died under us.
+
+        If it died before answering anything since it was linked (an idle
+        backend killed or restarted while in the pool), nothing ran: the
+        messages go to another server, once. Otherwise the session is gone and
+        so is the client.
+        """
         if self.server is server:
             self.server = None
-        if self.state is READY:
-            self.fatal(CONNECTION_FAILURE, f"server connection lost ({reason})")
+        if self.state is not READY:
+            return
+        unanswered = self.unanswered
+        self.unanswered = None
+        if unanswered is not None and not self._retried:
+            self._retried = True
+            event("server lost before answering; retrying on another server",
+                  logging.WARNING, client=self.id, server=server.id, reason=reason)  # fmt: skip
+            self._queue = unanswered + self._queue
+            self._queued_owed = sum(owed for _, owed in self._queue)
+            self._get_server()
+            return
+        self.fatal(CONNECTION_FAILURE, f"server connection lost ({reason})")
 
     def fail_waiting(self, sqlstate: str, text: str) -> None:
         """The pool cannot open a server for us: fail instead of hanging."""

@@ -230,7 +230,7 @@ class ServerConnection(asyncio.Protocol):
                 client.on_parameter_status(self, name, value)
             elif kind == _E and not self.swallow:
                 self.statements.on_error()
-            elif kind == _E:
+            elif kind == _E and m.parse_fields(body).get("S") != "FATAL":
                 event(
                     "could not apply a client setting on the server",
                     logging.WARNING,
@@ -249,6 +249,7 @@ class ServerConnection(asyncio.Protocol):
             pieces.append(out[start:])
             out = b"".join(pieces)
         if out:
+            client.unanswered = None
             client.transport.write(out)
         if release and self._scanner.at_boundary:
             client.on_server_ready(self)
