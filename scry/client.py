@@ -315,6 +315,25 @@ class ClientConnection(asyncio.Protocol):
         if self.state is not LOGIN:
             return
         welcome = dict(pool.welcome or {})
+        # Settings PostgreSQL reports back must reach the client in its spelling.
+        reported = {
+            k: v
+            for k, v in self.params.items()
+            if k in welcome and k != "application_name" and v != welcome[k]
+        }
+        if reported:
+            try:
+                spelled = await pool.check_settings(reported)
+            except Exception as exc:
+                if self.state is LOGIN:
+                    sqlstate, text = connect_error(exc)
+                    if isinstance(exc, ServerLoginError):
+                        text = str(exc)
+                    self.fatal(sqlstate, text)
+                return
+            if self.state is not LOGIN:
+                return
+            self.params = {**self.params, **spelled}
         for name, value in self.params.items():
             if name in welcome:
                 welcome[name] = value
@@ -630,7 +649,9 @@ class ClientConnection(asyncio.Protocol):
         self._cleanup(text)
 
     def _cleanup(self, reason: str, quiet: bool = False) -> None:
-        was_ready = self.state is READY
+        # A connection that closes before saying anything (a port probe, a
+        # load balancer's health check) is not worth a log line.
+        quiet = quiet or (self.state is STARTUP and not self.user and not self._startup_buf)
         self.state = CLOSED
         for timer in (self._wait_timer, self._login_timer):
             if timer is not None:
@@ -644,13 +665,15 @@ class ClientConnection(asyncio.Protocol):
             self._give_back(server, pool)
         self.transport.close()
         self.proxy.on_client_closed(self)
-        if not quiet and (was_ready or reason):
+        if not quiet:
             event("client closed", client=self.id, addr=self.addr, user=self.user,
                   db=self.database, reason=reason)  # fmt: skip
 
     def _give_back(self, server: ServerConnection, pool: Pool) -> None:
         server.unlink()
         if not server.clean or not self._at_boundary():
+            if server.pending > 0:
+                server.send_cancel()  # free the backend now, not when the query ends
             server.close("client left with a query or transaction in progress")
             return
         reset = pool.settings.server_reset_query

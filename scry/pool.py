@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from scry.config import DatabaseTarget, PoolConfig
 from scry.log import event
 from scry.protocol.errors import CONNECTION_FAILURE
-from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError
+from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError, settings_sql
 
 if TYPE_CHECKING:
     from scry.client import ClientConnection
@@ -68,6 +68,8 @@ class Pool:
         self._retry_handle: asyncio.TimerHandle | None = None
         self._connect_failures = 0
         self.stale = False  # config changed: retire servers as they come back
+        # (setting, value as a client wrote it) -> PostgreSQL's spelling of it
+        self.setting_spellings: dict[tuple[str, str], str] = {}
         # Counters for SHOW/admin views.
         self.total_wait_us = 0
         self.max_wait_started: float | None = None
@@ -229,6 +231,46 @@ class Pool:
             fut.exception()  # mark retrieved; each waiter re-raises its own copy
         self._welcome_future = None
 
+    async def check_settings(self, settings: dict[str, str]) -> dict[str, str]:
+        """PostgreSQL's spelling of reported startup settings, learned once per value.
+
+        A client that starts with ``DateStyle=iso,mdy`` must be told
+        ``ISO, MDY``, as PostgreSQL itself would, and an invalid value must fail
+        its login. Unknown (setting, value) pairs are SET once on a pool server
+        and the ParameterStatus it reports is remembered. Raises
+        ``ServerLoginError`` with PostgreSQL's error for an invalid value.
+        """
+        spellings = self.setting_spellings
+        todo = {k: v for k, v in settings.items() if (k, v) not in spellings}
+        if todo:
+            server = await self._borrow()
+            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            server.run_internal(settings_sql({}, todo), done.set_result)
+            ok = await done
+            if not ok:
+                fields = server.internal_error_fields or {"M": "invalid startup setting"}
+                self.release(server)
+                raise ServerLoginError(fields)
+            for name, value in todo.items():
+                spellings[(name, value)] = server.params.get(name, value)
+            server.applied = todo
+            self.release(server)
+        return {k: spellings[(k, v)] for k, v in settings.items()}
+
+    async def _borrow(self) -> ServerConnection:
+        """A server for scry's own use, waiting in line like a client would."""
+        server = self.acquire_nowait()
+        if server is not None:
+            return server
+        waiter = _Borrower(asyncio.get_running_loop().create_future())
+        self.wait(waiter)  # type: ignore[arg-type]
+        timeout = self.proxy.config.timeouts.query_wait_timeout or None
+        try:
+            return await asyncio.wait_for(waiter.future, timeout)
+        except TimeoutError:
+            self.cancel_wait(waiter)  # type: ignore[arg-type]
+            raise
+
     # --- bookkeeping ------------------------------------------------------------------
 
     def on_server_closed(self, server: ServerConnection, was_up: bool) -> None:
@@ -271,6 +313,23 @@ class Pool:
         if self._retry_handle is not None:
             self._retry_handle.cancel()
             self._retry_handle = None
+
+
+class _Borrower:
+    """Stands in the waiters queue for scry itself (see ``Pool._borrow``)."""
+
+    def __init__(self, future: asyncio.Future[ServerConnection]) -> None:
+        self.future = future
+
+    def attach(self, server: ServerConnection) -> bool:
+        if self.future.done():
+            return False
+        self.future.set_result(server)
+        return True
+
+    def fail_waiting(self, sqlstate: str, text: str) -> None:
+        if not self.future.done():
+            self.future.set_exception(ServerLoginError({"C": sqlstate, "M": text}))
 
 
 def connect_error(exc: Exception) -> tuple[str, str]:

@@ -107,6 +107,7 @@ class ServerConnection(asyncio.Protocol):
         self._login_waiter: asyncio.Future[None] | None = None
         self._internal_done: Callable[[bool], None] | None = None
         self._internal_error = False
+        self.internal_error_fields: dict[str, str] | None = None
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
         self.statements = ServerStatements(pool.settings.max_prepared_statements)
@@ -284,6 +285,7 @@ class ServerConnection(asyncio.Protocol):
         self.state = INTERNAL
         self._internal_done = done
         self._internal_error = False
+        self.internal_error_fields: dict[str, str] | None = None
         self.transport.write(m.query(sql))  # type: ignore[union-attr]
 
     def _internal_data(self, data: bytes) -> None:
@@ -295,6 +297,7 @@ class ServerConnection(asyncio.Protocol):
         for kind, _end, body in events:
             if kind == _E:
                 self._internal_error = True
+                self.internal_error_fields = m.parse_fields(body)
             elif kind == _S:
                 name, value = m.parse_parameter_status(body)
                 self.params[name] = value
@@ -393,12 +396,17 @@ class ServerConnection(asyncio.Protocol):
 
 
 def settings_sql(applied: dict[str, str], wanted: dict[str, str]) -> str:
-    """SET/RESET statements that turn a backend's ``applied`` settings into ``wanted``."""
-    parts = [
-        f'SET "{name}" TO {quote_literal(value)}'
+    """SQL that turns a backend's ``applied`` settings into ``wanted``.
+
+    ``set_config`` takes the value as PostgreSQL reads it from a startup packet
+    or postgresql.conf (so ``search_path=a,b`` is two schemas, not one quoted name).
+    """
+    sets = [
+        f"set_config({quote_literal(name)}, {quote_literal(value)}, false)"
         for name, value in wanted.items()
         if applied.get(name) != value
     ]
+    parts = [f"SELECT {', '.join(sets)}"] if sets else []
     parts.extend(f'RESET "{name}"' for name in applied if name not in wanted)
     return ";".join(parts)
 

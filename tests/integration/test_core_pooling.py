@@ -1,0 +1,326 @@
+"""Pooling: pool size limits, isolation between clients, startup parameters, waiting.
+
+A note on plain ``SET`` in transaction mode: as in PgBouncer, a session-level
+``SET`` of an untracked setting done by one client stays on the backend and
+may be seen by whichever client gets that backend next. That is documented
+PgBouncer semantics, so nothing here asserts on it; transaction-local
+settings (``SET LOCAL`` / ``set_config(..., true)``) must never leak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psycopg
+import psycopg.errors
+import pytest
+
+# The proxy's backends: user app on database app (the tests' own direct
+# connections are the postgres superuser). ``since`` filters out backends of
+# proxies started by earlier tests that PostgreSQL has not reaped yet.
+SAMPLE_SQL = """
+select count(*) from pg_stat_activity
+where datname = 'app' and usename = 'app' and backend_type = 'client backend'
+  and backend_start >= to_timestamp(%s)
+"""
+
+
+class BackendSampler:
+    """Polls pg_stat_activity every ~20 ms and remembers the maximum count."""
+
+    def __init__(self, admin_dsn: str, since: float) -> None:
+        self.admin_dsn = admin_dsn
+        self.since = since
+        self.samples: list[int] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> BackendSampler:
+        self._conn = await psycopg.AsyncConnection.connect(self.admin_dsn, autocommit=True)
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            cur = await self._conn.execute(SAMPLE_SQL, (self.since,))
+            row = await cur.fetchone()
+            assert row is not None
+            self.samples.append(int(row[0]))
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.02)
+            except TimeoutError:
+                pass
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._task is not None
+        await self._task
+        await self._conn.close()
+
+    @property
+    def max(self) -> int:
+        return max(self.samples, default=0)
+
+
+async def aconnect(proxy, **kwargs) -> psycopg.AsyncConnection:
+    kwargs.setdefault("autocommit", True)
+    kwargs.setdefault("prepare_threshold", None)  # no named statements in transaction mode
+    return await psycopg.AsyncConnection.connect(**proxy.conninfo(), **kwargs)
+
+
+async def fetch1(conn: psycopg.AsyncConnection, sql: str, params=None):
+    cur = await conn.execute(sql, params)
+    return await cur.fetchone()
+
+
+# --- transaction mode: many clients, few servers ----------------------------------------
+
+
+async def test_100_clients_pool_of_5(scry_proxy, admin_dsn) -> None:
+    pool_size = 5
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": pool_size}})
+    n_clients = 100
+    leaks: list[tuple[int, object]] = []
+
+    async def client(cid: int) -> int:
+        # Half use autocommit statements, half explicit transactions.
+        conn = await aconnect(proxy, autocommit=cid % 2 == 0)
+        async with conn:
+            for i in range(5):
+                if cid % 2 == 0:
+                    row = await fetch1(conn, "select %s::int, pg_sleep(0.002)::text", (cid,))
+                    assert row is not None and row[0] == cid
+                else:
+                    # A transaction-local setting is visible inside its transaction only.
+                    row = await fetch1(
+                        conn, "select set_config('scry.owner', %s, true)", (f"c{cid}-{i}",)
+                    )
+                    assert row == (f"c{cid}-{i}",)
+                    await asyncio.sleep(0)  # let other clients interleave
+                    row = await fetch1(conn, "select current_setting('scry.owner', true)")
+                    assert row == (f"c{cid}-{i}",)
+                    await conn.commit()
+                # Outside any transaction nobody's local setting may be visible.
+                row = await fetch1(conn, "select current_setting('scry.owner', true)")
+                assert row is not None
+                seen = row[0]
+                if seen not in (None, ""):
+                    leaks.append((cid, seen))
+                if cid % 2:
+                    await conn.commit()
+        return cid
+
+    async with BackendSampler(admin_dsn, proxy.started_wall) as sampler:
+        done = await asyncio.wait_for(
+            asyncio.gather(*(client(c) for c in range(n_clients))), timeout=40
+        )
+    assert sorted(done) == list(range(n_clients))
+    assert not leaks, f"transaction-local settings leaked between clients: {leaks[:5]}"
+    assert len(sampler.samples) >= 3
+    assert sampler.max <= pool_size, f"saw {sampler.max} proxy backends, pool size {pool_size}"
+    assert sampler.max >= 1
+
+
+async def test_set_local_not_visible_to_other_client(scry_proxy) -> None:
+    # Pool size 1: both clients share one backend, strictly alternating.
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}})
+    a = await aconnect(proxy, autocommit=False)
+    b = await aconnect(proxy)
+    try:
+        await a.execute("set local scry.secret = 'from-a'")
+        assert await fetch1(a, "select current_setting('scry.secret', true)") == ("from-a",)
+        await a.commit()
+        (seen,) = await fetch1(b, "select current_setting('scry.secret', true)")
+        assert seen in (None, "")
+        await fetch1(a, "select set_config('scry.secret', 'again-a', true)")
+        await a.commit()
+        (seen,) = await fetch1(b, "select current_setting('scry.secret', true)")
+        assert seen in (None, "")
+    finally:
+        await a.close()
+        await b.close()
+
+
+# --- startup parameters follow the client across backends ---------------------------------
+
+PROFILES = {
+    "a": {
+        "application_name": "client_a",
+        "options": "-c search_path=myschema,public -c TimeZone=Asia/Tokyo -c DateStyle=SQL,DMY",
+    },
+    "b": {
+        "application_name": "client_b",
+        "options": "-c search_path=other,public -c TimeZone=America/New_York "
+        "-c DateStyle=German,MDY",
+    },
+}
+SETTINGS_SQL = (
+    "select current_setting('application_name'), current_setting('TimeZone'),"
+    " current_setting('DateStyle'), current_setting('search_path'),"
+    " current_schemas(false)::text"
+)
+
+
+def expected_settings(admin_dsn: str, pg, profile: dict[str, str]) -> tuple:
+    """What PostgreSQL itself reports for these startup parameters (direct connection)."""
+    with psycopg.connect(pg.dsn(sslmode="disable"), **profile) as conn:
+        row = conn.execute(SETTINGS_SQL).fetchone()
+        (show,) = conn.execute("show search_path").fetchone()  # type: ignore[misc]
+    assert row is not None
+    return (*row, show)
+
+
+def test_startup_parameters_follow_each_client(scry_proxy, pg, admin_dsn) -> None:
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}})
+    want = {k: expected_settings(admin_dsn, pg, p) for k, p in PROFILES.items()}
+    assert want["a"][:3] == ("client_a", "Asia/Tokyo", "SQL, DMY")
+    conns = {
+        k: psycopg.connect(**proxy.conninfo(), autocommit=True, prepare_threshold=None, **p)
+        for k, p in PROFILES.items()
+    }
+    try:
+        pids = set()
+        for _ in range(6):
+            for name, conn in conns.items():
+                row = conn.execute(SETTINGS_SQL).fetchone()
+                (show,) = conn.execute("show search_path").fetchone()  # type: ignore[misc]
+                assert (*row, show) == want[name], name  # type: ignore[misc]
+                pids.add(conn.execute("select pg_backend_pid()").fetchone())
+        assert len(pids) == 1  # one backend served both clients
+    finally:
+        for conn in conns.values():
+            conn.close()
+
+
+REPORTED = ("application_name", "TimeZone", "DateStyle", "IntervalStyle", "client_encoding")
+
+
+def test_login_parameter_status_matches_postgres(scry_proxy, pg) -> None:
+    # The ParameterStatus a client gets at login must be what PostgreSQL itself
+    # reports for the same startup parameters (drivers parse DateStyle & co).
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}})
+    for name, profile in PROFILES.items():
+        with psycopg.connect(pg.dsn(sslmode="disable"), **profile) as direct:
+            want = {p: direct.info.parameter_status(p) for p in REPORTED}
+        with psycopg.connect(**proxy.conninfo(), **profile) as conn:
+            got = {p: conn.info.parameter_status(p) for p in REPORTED}
+        assert got == want, name
+
+
+def test_client_set_of_tracked_parameter_follows_client(scry_proxy) -> None:
+    # A plain SET of a reported setting (TimeZone, application_name) moves with the client.
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}})
+    a = psycopg.connect(**proxy.conninfo(), autocommit=True, application_name="a0")
+    b = psycopg.connect(**proxy.conninfo(), autocommit=True, application_name="b0")
+    try:
+        a.execute("set timezone = 'Europe/Paris'")
+        a.execute("set application_name = 'a1'")
+        b.execute("set timezone = 'Australia/Sydney'")
+        for _ in range(3):
+            assert a.execute("select current_setting('TimeZone')").fetchone() == ("Europe/Paris",)
+            assert a.execute("select current_setting('application_name')").fetchone() == ("a1",)
+            assert b.execute("select current_setting('TimeZone')").fetchone() == (
+                "Australia/Sydney",
+            )
+            assert b.execute("select current_setting('application_name')").fetchone() == ("b0",)
+    finally:
+        a.close()
+        b.close()
+
+
+# --- waiting for a server ------------------------------------------------------------------
+
+
+async def test_waiting_clients_are_served_fifo(scry_proxy) -> None:
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}})
+    holder = await aconnect(proxy, autocommit=False)
+    waiters = [await aconnect(proxy) for _ in range(4)]
+    try:
+        await fetch1(holder, "select 1")  # holds the only server: transaction open
+        tasks = []
+        for conn in waiters:
+            # pg_current_xact_id() grows in execution order: it records who ran first.
+            tasks.append(asyncio.create_task(fetch1(conn, "select pg_current_xact_id()::text")))
+            # Stagger the sends so that their arrival order at the proxy is defined.
+            await asyncio.sleep(0.05)
+        assert not any(t.done() for t in tasks), "a client ran while the pool was exhausted"
+        await holder.commit()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        xids = [int(r[0]) for r in results]
+        assert xids == sorted(xids), f"not served in arrival order: {xids}"
+    finally:
+        for conn in (holder, *waiters):
+            await conn.close()
+
+
+async def test_query_wait_timeout(scry_proxy) -> None:
+    proxy = scry_proxy(
+        {"pool": {"mode": "transaction", "size": 1}, "timeouts": {"query_wait_timeout": 1}}
+    )
+    holder = await aconnect(proxy, autocommit=False)
+    waiter = await aconnect(proxy)
+    try:
+        await fetch1(holder, "select 1")  # transaction open: the pool is exhausted
+        started = time.monotonic()
+        with pytest.raises(psycopg.OperationalError, match="query_wait_timeout"):
+            await asyncio.wait_for(fetch1(waiter, "select 1"), 10)
+        elapsed = time.monotonic() - started
+        assert 0.8 <= elapsed <= 3.0, elapsed
+        # The holder is unaffected and the proxy keeps serving afterwards.
+        assert await fetch1(holder, "select 2") == (2,)
+        await holder.commit()
+        async with await aconnect(proxy) as fresh:
+            assert await fetch1(fresh, "select 3") == (3,)
+    finally:
+        await holder.close()
+        await waiter.close()
+    assert "query_wait_timeout" in proxy.log_text()
+
+
+# --- session mode ------------------------------------------------------------------------
+
+
+async def test_session_mode_resets_server_between_clients(scry_proxy) -> None:
+    proxy = scry_proxy({"pool": {"mode": "session", "size": 1}})
+    async with await aconnect(proxy) as first:
+        (pid1,) = await fetch1(first, "select pg_backend_pid()")
+        await first.execute("set work_mem = '7MB'")
+        await first.execute("select set_config('scry.leak', 'yes', false)")
+        await first.execute("prepare leaked_stmt as select 1")
+        await first.execute("create temp table leaked_temp (x int)")
+        assert await fetch1(first, "show work_mem") == ("7MB",)
+    async with await aconnect(proxy) as second:
+        (pid2,) = await fetch1(second, "select pg_backend_pid()")
+        assert pid2 == pid1  # pool size 1: the same backend, reset
+        assert await fetch1(second, "show work_mem") != ("7MB",)
+        (leak,) = await fetch1(second, "select current_setting('scry.leak', true)")
+        assert leak in (None, "")
+        assert await fetch1(
+            second, "select count(*) from pg_prepared_statements where name = 'leaked_stmt'"
+        ) == (0,)
+        assert await fetch1(second, "select to_regclass('pg_temp.leaked_temp') is null") == (True,)
+
+
+async def test_session_mode_pool_size_is_respected(scry_proxy, admin_dsn) -> None:
+    pool_size = 2
+    proxy = scry_proxy(
+        {"pool": {"mode": "session", "size": pool_size}, "timeouts": {"query_wait_timeout": 10}}
+    )
+    async with BackendSampler(admin_dsn, proxy.started_wall) as sampler:
+        conns = [await aconnect(proxy) for _ in range(4)]
+        try:
+            for conn in conns[:pool_size]:
+                assert await fetch1(conn, "select 1") == (1,)
+            blocked = asyncio.create_task(fetch1(conns[2], "select 'third'"))
+            done, _ = await asyncio.wait({blocked}, timeout=0.5)
+            assert not done, "a third session got a server from a pool of two"
+            await conns[0].close()  # its server is reset and handed to the waiter
+            assert await asyncio.wait_for(blocked, 10) == ("third",)
+            # Sessions keep their server: the same backend for every query.
+            pids = {await fetch1(conns[1], "select pg_backend_pid()") for _ in range(5)}
+            assert len(pids) == 1
+        finally:
+            for conn in conns:
+                await conn.close()
+    assert sampler.max <= pool_size, sampler.max

@@ -1,0 +1,179 @@
+"""Signals and logs: SIGHUP reload, SIGTERM drain, a second SIGTERM, log lines."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import time
+import uuid
+
+import psycopg
+import pytest
+
+
+def connect(proxy, dbname: str = "app", autocommit: bool = True) -> psycopg.Connection:
+    return psycopg.connect(
+        **proxy.conninfo(dbname=dbname), autocommit=autocommit, prepare_threshold=None
+    )
+
+
+def can_connect_tcp(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# --- SIGHUP --------------------------------------------------------------------------------
+
+
+def test_sighup_adds_database_and_resizes_pool(scry_proxy, pg, wait_until) -> None:
+    proxy = scry_proxy(
+        {"pool": {"mode": "transaction", "size": 1}, "timeouts": {"query_wait_timeout": 2}}
+    )
+    holder = connect(proxy, autocommit=False)
+    idle = connect(proxy)
+    try:
+        assert holder.execute("select 1").fetchone() == (1,)  # holds the only server
+        with pytest.raises(psycopg.OperationalError, match="no such database"):
+            connect(proxy, dbname="app2")
+
+        proxy.update_config(
+            {"pool": {"size": 3}, "databases": {"app2": {"database_url": pg.url()}}}
+        )
+        proxy.send_signal(signal.SIGHUP)
+        wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+
+        # The new database is reachable without a restart.
+        with connect(proxy, dbname="app2") as conn:
+            assert conn.execute("select current_database()").fetchone() == ("app",)
+        # The bigger pool applies to the running pool: while holder keeps its
+        # transaction open, two more transactions get servers (size 1 would time out).
+        others = [connect(proxy, autocommit=False) for _ in range(2)]
+        try:
+            for i, conn in enumerate(others):
+                assert conn.execute("select %s::int", (i,)).fetchone() == (i,)
+        finally:
+            for conn in others:
+                conn.close()
+        # Existing connections stayed up, with their transaction intact.
+        assert holder.execute("select txid_current_if_assigned() is null").fetchone() == (True,)
+        holder.commit()
+        assert idle.execute("select 'idle ok'").fetchone() == ("idle ok",)
+    finally:
+        holder.close()
+        idle.close()
+    assert proxy.returncode is None  # never restarted
+
+
+def test_sighup_with_broken_config_keeps_running(scry_proxy, wait_until) -> None:
+    proxy = scry_proxy()
+    with connect(proxy) as conn:
+        proxy.config_path.write_text("pool: [this is not, a mapping\n")
+        proxy.send_signal(signal.SIGHUP)
+        wait_until(lambda: "reload failed" in proxy.log_text(), 5, what="reload failed")
+        assert conn.execute("select 1").fetchone() == (1,)
+    with connect(proxy) as conn:
+        assert conn.execute("select 2").fetchone() == (2,)
+
+
+# --- SIGTERM ---------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_open_transaction(scry_proxy, pg, wait_until) -> None:
+    proxy = scry_proxy()
+    table = f"scry_drain_{uuid.uuid4().hex[:8]}"
+    conn = connect(proxy, autocommit=False)
+    try:
+        conn.execute(f"create table {table} (x int)")
+        conn.execute(f"insert into {table} values (1)")
+
+        proxy.send_signal(signal.SIGTERM)
+        # New connections are refused (the listener is closed).
+        wait_until(lambda: not can_connect_tcp(proxy.port), 5, what="the listener to close")
+        assert proxy.returncode is None, "exited with a transaction still open"
+
+        # The open transaction can still work and COMMIT.
+        conn.execute(f"insert into {table} values (2)")
+        conn.commit()
+        # Then the proxy exits by itself, with status 0.
+        assert proxy.wait(10) == 0
+    finally:
+        conn.close()
+    assert pg.psql(f"select sum(x) from {table}") == "3"
+    pg.psql(f"drop table {table}")
+
+
+def test_sigterm_closes_idle_clients_and_exits(scry_proxy) -> None:
+    proxy = scry_proxy()
+    conn = connect(proxy)
+    try:
+        assert conn.execute("select 1").fetchone() == (1,)
+        proxy.send_signal(signal.SIGTERM)
+        assert proxy.wait(10) == 0
+        with pytest.raises(psycopg.OperationalError):
+            conn.execute("select 1")
+    finally:
+        conn.close()
+
+
+def test_second_sigterm_exits_immediately(scry_proxy) -> None:
+    proxy = scry_proxy()  # shutdown_timeout 0: the drain alone would wait forever
+    conn = connect(proxy, autocommit=False)
+    try:
+        assert conn.execute("select 1").fetchone() == (1,)  # transaction open
+        proxy.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proxy.wait(0.5)  # draining: the open transaction keeps it alive
+        started = time.monotonic()
+        proxy.send_signal(signal.SIGTERM)
+        proxy.wait(3)
+        assert time.monotonic() - started < 3
+        with pytest.raises(psycopg.OperationalError):
+            conn.execute("select 1")
+    finally:
+        conn.close()
+    assert "signal received again" in proxy.log_text()
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+def test_one_log_line_per_connection_event(scry_proxy, wait_until) -> None:
+    proxy = scry_proxy()
+    marker = f"logmarker_{uuid.uuid4().hex[:8]}"
+    n_clients, n_queries = 3, 30
+    for c in range(n_clients):
+        with psycopg.connect(
+            **proxy.conninfo(),
+            autocommit=True,
+            prepare_threshold=None,
+            application_name=f"logtest{c}",
+        ) as conn:
+            for i in range(n_queries):
+                assert conn.execute(f"select %s::int /* {marker} */", (i,)).fetchone() == (i,)
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                conn.execute(f"select 1/0 /* {marker} */")
+
+    def lines() -> list[str]:
+        return proxy.log_text().splitlines()
+
+    def closed_lines() -> list[str]:
+        return [ln for ln in lines() if "client closed" in ln and "user=app" in ln]
+
+    wait_until(lambda: len(closed_lines()) >= n_clients, 5, what="client closed lines")
+    logins = [ln for ln in lines() if "client login" in ln]
+    assert len(logins) == n_clients, logins
+    for c in range(n_clients):
+        assert sum(f"app=logtest{c}" in ln for ln in logins) == 1, logins
+    assert len(closed_lines()) == n_clients, closed_lines()
+    for line in logins + closed_lines():
+        assert re.search(r"\bclient=\S+", line) and "db=app" in line, line
+    # Nothing per query: neither the SQL text nor one line per statement.
+    text = proxy.log_text()
+    assert marker not in text
+    assert "division by zero" not in text
+    assert len(lines()) < n_clients * 4 + 10, text
