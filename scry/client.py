@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
 import time
 from typing import TYPE_CHECKING
 
@@ -271,10 +270,11 @@ class ClientConnection(asyncio.Protocol):
         )
         self._reader = MessageReader(proxy.config.max_packet_size)
         self.state = AUTH
-        self._auth_step(self._auth.start())
-        if self.state is AUTH and buf_has(self._startup_buf):
-            self._auth_data(bytes(self._startup_buf))
+        rest = bytes(self._startup_buf)  # anything the client sent after its startup packet
         self._startup_buf.clear()
+        self._auth_step(self._auth.start())
+        if rest:
+            self.data_received(rest)
 
     def _auth_data(self, data: bytes) -> None:
         reader = self._reader
@@ -298,13 +298,34 @@ class ClientConnection(asyncio.Protocol):
         if step.done:
             self.state = LOGIN
             self._auth = None
-            asyncio.get_running_loop().create_task(self._finish_login())
+            pool = self.pool
+            assert pool is not None
+            if pool.welcome is not None and not self._settings_to_check(pool.welcome):
+                self._complete_login(pool.welcome)  # the common case: no task, no await
+            else:
+                asyncio.get_running_loop().create_task(self._finish_login())
+
+    def _settings_to_check(self, welcome: dict[str, str]) -> dict[str, str]:
+        """Startup settings PostgreSQL reports back and may spell differently."""
+        return {
+            k: v
+            for k, v in self.params.items()
+            if k in welcome and k != "application_name" and v != welcome[k]
+        }
 
     async def _finish_login(self) -> None:
+        """Login that needs the pool first: its first server, or a settings check."""
         pool = self.pool
         assert pool is not None
         try:
             await pool.ensure_welcome()
+            if self.state is not LOGIN:
+                return
+            assert pool.welcome is not None
+            to_check = self._settings_to_check(pool.welcome)
+            if to_check:
+                spelled = await pool.check_settings(to_check)
+                self.params = {**self.params, **spelled}
         except Exception as exc:
             if self.state is LOGIN:
                 sqlstate, text = connect_error(exc)
@@ -312,34 +333,19 @@ class ClientConnection(asyncio.Protocol):
                     text = str(exc)
                 self.fatal(sqlstate, text)
             return
-        if self.state is not LOGIN:
-            return
-        welcome = dict(pool.welcome or {})
-        # Settings PostgreSQL reports back must reach the client in its spelling.
-        reported = {
-            k: v
-            for k, v in self.params.items()
-            if k in welcome and k != "application_name" and v != welcome[k]
-        }
-        if reported:
-            try:
-                spelled = await pool.check_settings(reported)
-            except Exception as exc:
-                if self.state is LOGIN:
-                    sqlstate, text = connect_error(exc)
-                    if isinstance(exc, ServerLoginError):
-                        text = str(exc)
-                    self.fatal(sqlstate, text)
-                return
-            if self.state is not LOGIN:
-                return
-            self.params = {**self.params, **spelled}
+        if self.state is LOGIN:
+            self._complete_login(pool.welcome)
+
+    def _complete_login(self, welcome: dict[str, str]) -> None:
+        pool = self.pool
+        assert pool is not None
+        status = dict(welcome)
         for name, value in self.params.items():
-            if name in welcome:
-                welcome[name] = value
+            if name in status:
+                status[name] = value
         pid, secret = self.proxy.register_cancel_key(self)
         out = [m.auth_ok()]
-        out.extend(m.parameter_status(k, v) for k, v in welcome.items())
+        out.extend(m.parameter_status(k, v) for k, v in status.items())
         out.append(m.backend_key_data(pid, secret))
         out.append(m.ready_for_query())
         self.transport.write(b"".join(out))
@@ -687,11 +693,3 @@ class ClientConnection(asyncio.Protocol):
         server = self.server
         if server is not None and server.pending > 0:
             server.send_cancel()
-
-
-def buf_has(buf: bytearray) -> bool:
-    return len(buf) > 0
-
-
-def random_pid() -> int:
-    return random.randint(1, 2**31 - 1)

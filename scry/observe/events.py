@@ -60,7 +60,7 @@ EVENT_FIELDS = (
     "pinned",
     "pin_reasons",
 )
-_CODES = "d i S S S S S S q q q q q s ? L".split()
+_CODES = ("d", "i", "S", "S", "S", "S", "S", "S", "q", "q", "q", "q", "q", "s", "?", "L")
 LAYOUT = " ".join(f"{name}:{code}" for name, code in zip(EVENT_FIELDS, _CODES, strict=True))
 _ARRAY_TYPE = {"d": "d", "i": "i", "q": "q", "?": "B", "S": "I", "s": "i", "L": "I"}
 
@@ -299,8 +299,10 @@ def read_events(path: str | Path) -> Iterator[dict[str, Any]]:
             yield from decode_batch(payload, flags)
 
 
-def events_read_main(path: str, out: IO[str] = sys.stdout) -> int:
-    """``scry events read FILE``: print the events as JSON lines; exit status."""
+def events_read_main(path: str, out: IO[str] | None = None) -> int:
+    """``scry events read FILE``: print the events as JSON lines (to stdout by
+    default); returns the exit status."""
+    out = sys.stdout if out is None else out
     try:
         for event in read_events(path):
             out.write(json.dumps(event, separators=(",", ":")) + "\n")

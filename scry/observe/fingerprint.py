@@ -88,7 +88,9 @@ class Fingerprinter:
             if len(self._shapes) >= self._max_shapes:
                 self._shapes.clear()  # cheap and rare; hot shapes come back at once
             self._shapes[key] = shape
-        if not literals or all(lit[:1] in (b"$", "$") for lit in literals):
+        if not literals or (
+            literals[0][:1] in (b"$", "$") and all(lit[:1] in (b"$", "$") for lit in literals)
+        ):
             if len(self._texts) >= self._max_texts:
                 self._texts.clear()
             self._texts[text] = shape

@@ -44,7 +44,9 @@ _FAST_LITERAL = re.compile(
     rb"|(?<![\w$]\.)(?<=\.)[0-9][0-9_]*(?:[eE][+-]?[0-9]+)?"
     rb"))"
 )
-_NEEDS_FULL_LEXER = re.compile(rb"[\"\\]|--|/\*|\$(?:[A-Za-z_\x80-\xff][\w\x80-\xff]*)?\$")
+# A character-class scan is much cheaper than an alternation of the cases.
+_MAYBE_SPECIAL = re.compile(rb'[-"\\/$]')
+_DOLLAR_QUOTE = re.compile(rb"\$(?:[A-Za-z_\x80-\xff][\w\x80-\xff]*)?\$")
 _LIST_B = re.compile(
     rb"(?i)(\bIN\s*\(|\bARRAY\s*\[)\s*[-+]?\s*\x00(?:\s*,\s*[-+]?\s*\x00)*\s*([)\]])"
 )
@@ -59,7 +61,7 @@ def shape_of(text: bytes) -> tuple[bytes | str, list[bytes] | list[str], bool]:
     Texts that differ only in literal values, whitespace runs, comments or
     the length of literal-only ``IN``/``ARRAY`` lists share a shape key.
     """
-    if _NEEDS_FULL_LEXER.search(text) is None:
+    if _MAYBE_SPECIAL.search(text) is None or not _needs_full_lexer(text):
         parts = _FAST_LITERAL.split(text)
         if len(parts) == 1:
             return b" ".join(text.split()), [], False
@@ -70,6 +72,16 @@ def shape_of(text: bytes) -> tuple[bytes | str, list[bytes] | list[str], bool]:
             return collapsed, literals, len(collapsed) != len(shape)
         return shape, literals, False
     return _slow_shape(text.decode("utf-8", "replace"))
+
+
+def _needs_full_lexer(text: bytes) -> bool:
+    return (
+        b'"' in text
+        or b"\\" in text
+        or b"--" in text
+        or b"/*" in text
+        or (b"$" in text and _DOLLAR_QUOTE.search(text) is not None)
+    )
 
 
 def _slow_shape(text: str) -> tuple[str, list[str], bool]:
@@ -160,9 +172,42 @@ def _block_comment_end(text: str, pos: int) -> int:
 # Words after which "(" opens a list or subquery rather than a call, and after
 # which a +/- starts a signed literal rather than a subtraction.
 _KEYWORDS = frozenset(
-    "select where and or not in values as from join on using when then else case "
-    "return returning limit offset by is between like ilike exists any all some set "
-    "having with distinct into".split()
+    {
+        "select",
+        "where",
+        "and",
+        "or",
+        "not",
+        "in",
+        "values",
+        "as",
+        "from",
+        "join",
+        "on",
+        "using",
+        "when",
+        "then",
+        "else",
+        "case",
+        "return",
+        "returning",
+        "limit",
+        "offset",
+        "by",
+        "is",
+        "between",
+        "like",
+        "ilike",
+        "exists",
+        "any",
+        "all",
+        "some",
+        "set",
+        "having",
+        "with",
+        "distinct",
+        "into",
+    }
 )
 
 

@@ -89,7 +89,10 @@ class ObserveMetrics:
             registry=self.registry,
         )
         self.pins_total = Counter(
-            "scry_pins", "Sessions pinned to a server, by reason.", ["reason"], registry=self.registry
+            "scry_pins",
+            "Sessions pinned to a server, by reason.",
+            ["reason"],
+            registry=self.registry,
         )
         self.health_anomalies_total = Counter(
             "scry_health_anomalies",
@@ -121,13 +124,22 @@ class ObserveMetrics:
         entry = self._by_database.get(database)
         if entry is None:
             entry = self._by_database[database] = (_Timing(), [0, 0])
-        entry[0].add(total_us)
-        entry[1][0] += 1
+        # _Timing.add, inlined: this runs once per statement.
+        timing, tally = entry
+        timing.counts[bisect_left(BOUNDS_US, total_us)] += 1
+        timing.sum_us += total_us
+        tally[0] += 1
         if error:
-            entry[1][1] += 1
-        self._queue.add(queue_us)
-        self._acquire.add(acquire_us)
-        self._backend.add(backend_us)
+            tally[1] += 1
+        timing = self._queue
+        timing.counts[bisect_left(BOUNDS_US, queue_us)] += 1
+        timing.sum_us += queue_us
+        timing = self._acquire
+        timing.counts[bisect_left(BOUNDS_US, acquire_us)] += 1
+        timing.sum_us += acquire_us
+        timing = self._backend
+        timing.counts[bisect_left(BOUNDS_US, backend_us)] += 1
+        timing.sum_us += backend_us
         if pins:
             for reason in pins:
                 self._pinned_queries[reason] = self._pinned_queries.get(reason, 0) + 1

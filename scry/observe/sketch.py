@@ -15,6 +15,7 @@ a hot value shows as ``pgbench_accounts.aid = #k7q2b6…``.
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -25,41 +26,57 @@ from scry.observe.anonymize import Anonymizer, short_token
 
 
 class CountMinSketch:
-    """Counters that overestimate but never underestimate."""
+    """Counters that overestimate but never underestimate.
 
-    __slots__ = ("width", "depth", "_rows", "total")
+    The ``depth`` rows live in one flat list; a key's indexes are absolute
+    positions in it (row * width + column), so an update is a few list
+    operations with no per-row bookkeeping.
+    """
+
+    __slots__ = ("width", "depth", "_counts", "_unpack", "_offsets", "total")
 
     def __init__(self, width: int = 2048, depth: int = 4) -> None:
         self.width = width
         self.depth = depth
-        self._rows = [[0] * width for _ in range(depth)]
+        self._counts = [0] * (width * depth)
+        self._unpack = struct.Struct(f"<{depth}I").unpack
+        self._offsets = tuple(range(0, width * depth, width))
         self.total = 0
 
-    def indexes(self, digest: bytes) -> tuple[int, ...]:
-        """Row indexes of a key from its digest (at least 4 * depth bytes)."""
-        x = int.from_bytes(digest, "little")
+    def indexes(self, digest: bytes) -> list[int]:
+        """A key's counter positions from its digest (4 * depth bytes)."""
         w = self.width
-        return tuple((x >> (32 * i) & 0xFFFFFFFF) % w for i in range(self.depth))
+        return [v % w + o for v, o in zip(self._unpack(digest), self._offsets)]  # noqa: B905
 
-    def add(self, indexes: tuple[int, ...], count: int = 1) -> int:
+    def add(self, indexes: list[int], count: int = 1) -> int:
         """Count a key; returns its new estimate."""
+        counts = self._counts
+        for i in indexes:
+            counts[i] += count
         self.total += count
+        return min(map(counts.__getitem__, indexes))
+
+    def add_digest(self, digest: bytes, count: int = 1) -> int:
+        """``add(indexes(digest))`` in one pass (the per-value path)."""
+        counts = self._counts
+        w = self.width
         estimate = -1
-        for row, i in zip(self._rows, indexes, strict=True):
-            value = row[i] + count
-            row[i] = value
-            if estimate < 0 or value < estimate:
-                estimate = value
+        for v, offset in zip(self._unpack(digest), self._offsets):  # noqa: B905
+            i = v % w + offset
+            c = counts[i] + count
+            counts[i] = c
+            if c < estimate or estimate < 0:
+                estimate = c
+        self.total += count
         return estimate
 
-    def estimate(self, indexes: tuple[int, ...]) -> int:
+    def estimate(self, indexes: list[int]) -> int:
         """The estimated count of a key."""
-        return min(row[i] for row, i in zip(self._rows, indexes, strict=True))
+        return min(map(self._counts.__getitem__, indexes))
 
     def halve(self) -> None:
         """Decay: halve every counter."""
-        for row in self._rows:
-            row[:] = [v >> 1 for v in row]
+        self._counts[:] = [v >> 1 for v in self._counts]
         self.total >>= 1
 
 
@@ -75,27 +92,27 @@ class TopK:
         self._min_key: Hashable | None = None
         self._min_value = 0
 
-    def offer(self, key: Hashable, estimate: int, label: Callable[[], Any]) -> None:
-        """Tell the table a key's new estimate; ``label()`` is called on entry."""
+    def offer(self, key: Hashable, estimate: int) -> bool:
+        """Tell the table a key's new estimate. True when the key was just
+        admitted: the caller then sets ``labels[key]``."""
         counts = self.counts
         if key in counts:
             counts[key] = estimate
             if key == self._min_key:
                 self._min_key = None  # the minimum may have moved: find it lazily
-            return
+            return False
         if len(counts) < self.k:
             counts[key] = estimate
-            self.labels[key] = label()
             self._min_key = None
-            return
+            return True
         if self._min_key is None:
             self._find_min()
         if estimate <= self._min_value:
-            return
+            return False
         del counts[self._min_key], self.labels[self._min_key]
         counts[key] = estimate
-        self.labels[key] = label()
         self._find_min()
+        return True
 
     def _find_min(self) -> None:
         self._min_key = min(self.counts, key=self.counts.__getitem__)
@@ -135,29 +152,35 @@ class HotData:
         self._clock = clock
         self._next_decay = clock() + decay_seconds
         self._digest_len = 4 * depth
-        self._table_indexes: dict[str, tuple[int, ...]] = {}
+        self._table_indexes: dict[str, list[int]] = {}
+        self._column_prefix: dict[str, bytes] = {}
+        self._digest = anonymizer.digest
 
-    def add_table(self, table: str) -> None:
-        """Count one use of a table."""
+    def add_table(self, table: str, count: int = 1) -> None:
+        """Count ``count`` uses of a table (the pipeline adds up per drain)."""
         idx = self._table_indexes.get(table)
         if idx is None:
             if len(self._table_indexes) > 100_000:
                 self._table_indexes.clear()
             digest = blake3.blake3(table.encode("utf-8", "surrogatepass")).digest(self._digest_len)
             idx = self._table_indexes[table] = self.tables.indexes(digest)
-        self.top_tables.offer(table, self.tables.add(idx), lambda: table)
+        if self.top_tables.offer(table, self.tables.add(idx, count)):
+            self.top_tables.labels[table] = table
 
     def add_value(self, column: str, literal: bytes | str) -> None:
         """Count one lookup of ``column`` (``table.column``) by a literal token."""
-        if isinstance(literal, str):
-            literal = literal.encode("utf-8", "surrogatepass")
+        if literal.__class__ is str:
+            literal = literal.encode("utf-8", "surrogatepass")  # type: ignore[union-attr]
         if literal[:1] == b"'":
             literal = literal[1:-1]
-        digest = self._anonymizer.digest(
-            column.encode("utf-8", "surrogatepass") + b"\0" + literal, self._digest_len
-        )
-        estimate = self.values.add(self.values.indexes(digest))
-        self.top_values.offer(digest, estimate, lambda: (column, f"#{short_token(digest)}…"))
+        prefix = self._column_prefix.get(column)
+        if prefix is None:
+            if len(self._column_prefix) > 100_000:
+                self._column_prefix.clear()
+            prefix = self._column_prefix[column] = column.encode("utf-8", "surrogatepass") + b"\0"
+        digest = self._digest(prefix + literal, self._digest_len)  # type: ignore[operator]
+        if self.top_values.offer(digest, self.values.add_digest(digest)):
+            self.top_values.labels[digest] = (column, f"#{short_token(digest)}…")
 
     def maybe_decay(self, now: float | None = None) -> bool:
         """Halve everything if a decay interval passed; True if it did."""

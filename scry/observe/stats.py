@@ -186,7 +186,9 @@ class StatsTable:
                 _add_slot(view, slot)
         return view if view[_CALLS] else None
 
-    def _views(self, window_seconds: float | None, now: float | None) -> list[tuple[QueryStats, list[Any]]]:
+    def _views(
+        self, window_seconds: float | None, now: float | None
+    ) -> list[tuple[QueryStats, list[Any]]]:
         if window_seconds is None:
             return [(e, e.as_slot()) for e in self._entries.values()]
         first, last = self._epochs(window_seconds, now)

@@ -1,0 +1,240 @@
+"""Ring buffer, batch format, file sink with rotation, http sink, live tail."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scry.observe.events import (
+    EVENT_FIELDS,
+    EventRing,
+    Subscription,
+    decode_batch,
+    encode_batch,
+    event_dict,
+    events_read_main,
+    frame,
+    make_predicate,
+    read_events,
+)
+from scry.observe.sinks import EventShipper, FileSink, HttpSink
+
+
+def _event(i: int, **changes: object) -> tuple:
+    base = dict(
+        ts=1_700_000_000.0 + i,
+        worker=1,
+        client_id=f"c{i % 3}",
+        database="db",
+        user="u",
+        application_name="pgbench",
+        fingerprint="0123456789abcdef",
+        query="SELECT abalance FROM pgbench_accounts WHERE aid = $1",
+        queue_us=i,
+        pool_acquire_us=0,
+        backend_us=100 + i,
+        total_us=101 + 2 * i,
+        rows=1,
+        sqlstate=None if i % 5 else "57014",
+        pinned=bool(i % 7 == 0),
+        pin_reasons=("set", "prepare") if i % 7 == 0 else (),
+    )
+    base.update(changes)
+    return tuple(base[f] for f in EVENT_FIELDS)
+
+
+def test_ring_drops_oldest_and_counts() -> None:
+    ring = EventRing(3)
+    for i in range(5):
+        ring.push((i,))
+    assert ring.dropped == 2 and ring.pushed == 5 and len(ring) == 3
+    assert ring.take(10) == [(2,), (3,), (4,)]
+    assert ring.take(10) == []
+
+
+@pytest.mark.parametrize("compression", ["gzip", "none"])
+def test_batch_roundtrip(compression: str) -> None:
+    events = [_event(i) for i in range(20)]
+    payload, flags = encode_batch(events, compression)
+    decoded = decode_batch(payload, flags)
+    assert decoded == [event_dict(e) for e in events]
+    assert decoded[0]["pin_reasons"] == ["set", "prepare"] and decoded[0]["sqlstate"] == "57014"
+    assert decoded[1]["sqlstate"] is None and decoded[1]["pinned"] is False
+
+
+async def test_file_sink_roundtrip_through_read_events(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    ring = EventRing(1000)
+    shipper = EventShipper(ring, FileSink(path), batch_size=10, flush_interval=0.05)
+    shipper.start()
+    for i in range(35):
+        ring.push(_event(i))
+    shipper.notify()
+    await asyncio.sleep(0.2)
+    await shipper.stop()
+    events = list(read_events(path))
+    assert [e["queue_us"] for e in events] == list(range(35))
+    assert shipper.batches == 4 and shipper.shipped == 35
+    out = io.StringIO()
+    assert events_read_main(str(path), out) == 0
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 35 and json.loads(lines[3])["client_id"] == "c0"
+
+
+def test_reader_stops_at_a_truncated_last_frame(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    good = frame(*encode_batch([_event(1)]))
+    path.write_bytes(good + good[:-5])
+    assert len(list(read_events(path))) == 1
+    path.write_bytes(b"nonsense" * 3)
+    with pytest.raises(ValueError):
+        list(read_events(path))
+    assert events_read_main(str(path), io.StringIO()) == 1
+
+
+async def test_file_sink_rotates_and_keeps_k_files(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    sink = FileSink(path, max_bytes=2_000, keep=2)
+    payload, flags = encode_batch([_event(i) for i in range(10)], "none")
+    for _ in range(10):
+        await sink.write(payload, flags, 10)
+    await sink.close()
+    assert sink.rotations >= 3
+    _check_rotated(tmp_path, max(2_000, len(frame(payload, flags))))
+
+
+def _check_rotated(directory: Path, max_size: int) -> None:
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "events.log",
+        "events.log.1",
+        "events.log.2",
+    ]
+    for p in directory.iterdir():
+        assert p.stat().st_size <= max_size
+        assert len(list(read_events(p))) % 10 == 0
+
+
+class Sleeps:
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.calls.append(seconds)
+
+
+async def test_http_sink_retries_with_backoff_then_succeeds() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(503 if len(seen) < 3 else 200)
+
+    sleeps = Sleeps()
+    sink = HttpSink(
+        "http://collector/events",
+        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+        backoff=0.1,
+        sleep=sleeps,
+    )
+    payload, flags = encode_batch([_event(1), _event(2)])
+    assert await sink.write(payload, flags, 2) is True
+    assert sleeps.calls == [0.1, 0.2]
+    assert seen[-1].headers["content-encoding"] == "gzip"
+    assert seen[-1].headers["x-scry-events"] == "2"
+    assert decode_batch(seen[-1].content, flags)[1]["queue_us"] == 2
+    await sink.close()
+
+
+async def test_http_sink_gives_up_after_the_bound() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    sleeps = Sleeps()
+    sink = HttpSink(
+        "http://collector/events",
+        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+        max_attempts=4,
+        backoff=1.0,
+        max_backoff=2.5,
+        sleep=sleeps,
+    )
+    assert await sink.write(b"x", 0, 1) is False
+    assert sleeps.calls == [1.0, 2.0, 2.5]
+    assert sink.failed_batches == 1 and sink.retries == 3
+    await sink.close()
+
+
+async def test_http_sink_does_not_retry_client_errors() -> None:
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(400)
+
+    sink = HttpSink(
+        "http://c/e",
+        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+        sleep=Sleeps(),
+    )
+    assert await sink.write(b"x", 0, 1) is False and calls == 1
+    await sink.close()
+
+
+async def test_slow_sink_never_blocks_the_ring() -> None:
+    release = asyncio.Event()
+
+    class SlowSink:
+        async def write(self, payload: bytes, flags: int, count: int) -> bool:
+            await release.wait()
+            return True
+
+        async def close(self) -> None:
+            return None
+
+    ring = EventRing(50)
+    shipper = EventShipper(ring, SlowSink(), batch_size=10, flush_interval=0.01)
+    shipper.start()
+    for i in range(500):
+        ring.push(_event(i))  # never waits
+        if i % 50 == 0:
+            await asyncio.sleep(0)
+    assert ring.dropped > 0 and len(ring) == 50
+    release.set()
+    await shipper.stop()
+    assert shipper.shipped + ring.dropped == 500
+
+
+async def test_subscription_is_bounded_and_filtered() -> None:
+    closed: list[Subscription] = []
+    sub = Subscription(make_predicate({"client_id": "c1"}), 3, closed.append)
+    for i in range(30):
+        sub.offer(event_dict(_event(i)))
+    assert sub.qsize() == 3 and sub.dropped == 7  # 10 matched, 3 kept
+    first = await sub.get()
+    assert first["client_id"] == "c1" and first["queue_us"] == 22
+    assert sub.get_nowait()["queue_us"] == 25
+    assert sub.get_nowait()["queue_us"] == 28
+    waiter = asyncio.create_task(sub.get())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    sub.offer(event_dict(_event(31)))
+    assert (await waiter)["queue_us"] == 31
+    sub.close()
+    assert closed == [sub]
+    with pytest.raises(asyncio.QueueEmpty):
+        sub.get_nowait()
+
+
+def test_predicate_specs() -> None:
+    slow = make_predicate({"min_total_us": 150, "errors_only": True})
+    assert slow is not None
+    assert not slow(event_dict(_event(10)))  # error but fast (121 µs)
+    assert slow(event_dict(_event(50)))  # error and 201 µs
+    with pytest.raises(ValueError):
+        make_predicate({"nope": 1})

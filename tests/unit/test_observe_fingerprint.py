@@ -1,0 +1,150 @@
+"""Fingerprints: equal for the same statement, different for different ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from scry.observe.anonymize import Anonymizer
+from scry.observe.fingerprint import Fingerprinter, lookup_values
+from scry.observe.lexer import canonical, render, shape_of, tables_by_lexer
+
+
+@pytest.fixture
+def fp() -> Fingerprinter:
+    return Fingerprinter(Anonymizer("test-key"))
+
+
+SAME = [
+    # literals
+    [
+        "SELECT * FROM t WHERE id = 1",
+        "SELECT * FROM t WHERE id = 42",
+        "SELECT * FROM t WHERE id = -7",
+    ],
+    [
+        "SELECT * FROM t WHERE name = 'a'",
+        "SELECT * FROM t WHERE name = 'it''s'",
+        "SELECT * FROM t WHERE name = E'x\\'y'",
+        "SELECT * FROM t WHERE name = $$dollar$$",
+        "SELECT * FROM t WHERE name = $tag$x$tag$",
+        "SELECT * FROM t WHERE name = $1",
+    ],
+    # IN-list length
+    [
+        "SELECT a FROM t WHERE id IN (1)",
+        "SELECT a FROM t WHERE id IN (1, 2, 3)",
+        "SELECT a FROM t WHERE id IN (4,5,6,7,8,9)",
+        "SELECT a FROM t WHERE id IN ($1, $2)",
+    ],
+    # whitespace, comments, keyword casing, trailing semicolon
+    [
+        "SELECT a FROM t WHERE x = 1",
+        "select   a\n\tfrom t where x=2;",
+        "/* app: 42 */ SELECT a FROM t -- why 7\n WHERE x = 3",
+        "SeLeCt A FROM T WHERE X = 4",
+    ],
+    [
+        "UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = 99",
+        "UPDATE pgbench_accounts SET abalance = abalance + -4523 WHERE aid = 1234;",
+    ],
+    ["INSERT INTO h (a, b) VALUES (1, 'x')", "INSERT INTO h (a, b) VALUES (2, 'y')"],
+]
+DIFFERENT = [
+    "SELECT * FROM t WHERE id = 1",
+    "SELECT * FROM u WHERE id = 1",
+    "SELECT * FROM t WHERE other = 1",
+    "SELECT id FROM t WHERE id = 1",
+    "SELECT * FROM t WHERE id = 1 AND x = 2",
+    "SELECT * FROM t WHERE id > 1",
+    'SELECT * FROM "T" WHERE id = 1',
+    "DELETE FROM t WHERE id = 1",
+    "SELECT * FROM t WHERE id IN (SELECT id FROM u)",
+]
+
+
+@pytest.mark.parametrize("group", SAME, ids=[g[0][:30] for g in SAME])
+def test_equal_fingerprints(fp: Fingerprinter, group: list[str]) -> None:
+    ids = {fp.fingerprint(q).fingerprint for q in group}
+    assert len(ids) == 1, [(q, fp.fingerprint(q).fingerprint) for q in group]
+
+
+def test_different_statements_differ(fp: Fingerprinter) -> None:
+    ids = [fp.fingerprint(q).fingerprint for q in DIFFERENT]
+    assert len(set(ids)) == len(ids)
+
+
+def test_fingerprint_is_16_hex_and_stable_across_instances() -> None:
+    a = Fingerprinter(Anonymizer("one")).fingerprint("SELECT 1 FROM t WHERE id = 5")
+    b = Fingerprinter(None).fingerprint("select 1 from t where id = 9")
+    assert a.fingerprint == b.fingerprint
+    assert len(a.fingerprint) == 16 and int(a.fingerprint, 16) >= 0
+
+
+def test_normalized_text_and_tables(fp: Fingerprinter) -> None:
+    shape = fp.fingerprint("SELECT abalance FROM pgbench_accounts WHERE aid = 4242;")
+    assert shape.normalized == "SELECT abalance FROM pgbench_accounts WHERE aid = $1;"
+    assert shape.tables == ("pgbench_accounts",)
+    assert shape.parsed
+    shape = fp.fingerprint("WITH c AS (SELECT 1) SELECT * FROM c JOIN s.u ON c.x = u.y")
+    assert shape.tables == ("s.u",)
+
+
+def test_unparsable_sql_gets_a_stable_fingerprint(fp: Fingerprinter) -> None:
+    a = fp.fingerprint("SELEC broken FROM t WHERE x = 'secret' AND y = 12")
+    b = fp.fingerprint("SELEC  broken FROM t WHERE x = 'other' AND y = 13")
+    c = fp.fingerprint("SELEC broken FROM u WHERE x = 'other' AND y = 13")
+    assert not a.parsed
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+    assert "secret" not in a.normalized and "12" not in a.normalized
+    assert a.tables == ("t",)
+    assert Fingerprinter(None).fingerprint(
+        "SELEC broken FROM t WHERE x = 1 AND y = 2"
+    ).fingerprint == (a.fingerprint)
+
+
+def test_cache_levels(fp: Fingerprinter) -> None:
+    for i in range(100):
+        fp.fingerprint(f"SELECT * FROM t WHERE id = {i}")
+    assert fp.parses == 1
+    fp.fingerprint("SELECT * FROM t WHERE id = $1")
+    fp.fingerprint("SELECT * FROM t WHERE id = $1")
+    assert fp.parses == 1  # $1 shares the shape; the literal-free text is then cached
+    assert b"SELECT * FROM t WHERE id = $1" in fp._texts
+    assert b"SELECT * FROM t WHERE id = 5" not in fp._texts  # texts with values are not kept
+
+
+def test_shape_of_fast_and_full_paths_agree_on_literals() -> None:
+    key, literals, collapsed = shape_of(
+        b"SELECT a FROM t1 WHERE x = 10 AND y IN (1, 2) AND t1.c2 = 'q'"
+    )
+    assert literals == [b"10", b"1", b"2", b"'q'"]
+    assert collapsed and b"t1" in key and b"c2" in key
+    key2, literals2, _ = shape_of(b'SELECT a FROM "t1" WHERE x = 10 -- c 5\n AND y = $$z$$')
+    assert literals2 == ["10", "$$z$$"]
+    assert "5" not in key2
+
+
+def test_lexer_pieces() -> None:
+    assert canonical('SELECT A, "B" FROM t WHERE x IN (1, 2) -- 9\n;') == (
+        'select a , "B" from t where x in ( ? )'
+    )
+    assert render("SELECT f(x), y::int FROM a.b WHERE c IN (1, 2, 3)", None) == (
+        "SELECT f(x), y::int FROM a.b WHERE c IN ($1, ...)"
+    )
+    assert tables_by_lexer('SELEC x FROM a.b JOIN "Q" ON true') == ("a.b", "Q")
+
+
+def test_lookup_values(fp: Fingerprinter) -> None:
+    text = b"SELECT abalance FROM pgbench_accounts WHERE aid = 4242"
+    shape, literals, collapsed = fp.lookup(text)
+    assert lookup_values(shape, text, literals, collapsed) == [("pgbench_accounts.aid", b"4242")]
+    text = b"SELECT * FROM users u WHERE u.id IN (1, 2) AND u.name = 'bob' AND u.age > 3"
+    shape, literals, collapsed = fp.lookup(text)
+    assert lookup_values(shape, text, literals, collapsed) == [
+        ("users.id", b"1"),
+        ("users.id", b"2"),
+        ("users.name", b"'bob'"),
+    ]
+    text = b"SELECT * FROM t WHERE id = $1"
+    shape, literals, collapsed = fp.lookup(text)
+    assert lookup_values(shape, text, literals, collapsed) == []  # no bind values here

@@ -1,0 +1,233 @@
+"""The Observatory end to end with synthetic records (no database)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from scry.config import ObservabilityConfig
+from scry.observe.events import read_events
+from scry.observe.pipeline import Observatory
+from scry.observe.record import ClientContext
+
+SECRET_ID = 987654321
+SECRET_NAME = "Cnry-Alice-Secret"
+
+
+class Clocks:
+    """A wall clock and a perf_counter_ns that move together."""
+
+    def __init__(self) -> None:
+        self.wall = 1_700_000_000.0
+        self.ns = 5_000_000_000
+
+    def clock(self) -> float:
+        return self.wall
+
+    def perf_ns(self) -> int:
+        return self.ns
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.ns += int(seconds * 1e9)
+
+
+def _record(clocks: Clocks, ctx: ClientContext, text: str, total_us: int, **kw: object) -> tuple:
+    done = clocks.ns
+    received = done - total_us * 1000
+    acquired = received + int(kw.get("queue_us", 0)) * 1000
+    return (
+        ctx,
+        text.encode(),
+        received,
+        acquired,
+        acquired,
+        done,
+        kw.get("rows", 1),
+        kw.get("sqlstate"),
+        kw.get("pins"),
+    )
+
+
+def _observatory(clocks: Clocks, **config: object) -> Observatory:
+    return Observatory(
+        ObservabilityConfig(anonymize_key="test", **config),
+        clock=clocks.clock,
+        perf_counter_ns=clocks.perf_ns,
+    )
+
+
+def _feed(obs: Observatory, clocks: Clocks) -> None:
+    app = ClientContext("c1", "shop", "app", "web", worker=2)
+    batch = ClientContext("c2", "reports", "batch", "etl", worker=2)
+    for i in range(200):
+        obs.record(
+            _record(
+                clocks, app, f"SELECT * FROM users WHERE id = {SECRET_ID if i % 4 == 0 else i}", 500
+            )
+        )
+    for i in range(20):
+        obs.record(
+            _record(
+                clocks,
+                batch,
+                f"UPDATE orders SET note = '{SECRET_NAME}' WHERE customer IN ({i}, {SECRET_ID})",
+                20_000,
+                queue_us=300,
+                rows=3,
+                pins=("set",),
+            )
+        )
+    obs.record(_record(clocks, app, "SELEC oops 'x'", 100, sqlstate="42601"))
+
+
+def test_end_to_end_top_hot_summary_metrics() -> None:
+    clocks = Clocks()
+    obs = _observatory(clocks)
+    _feed(obs, clocks)
+    assert obs.drain() == 221
+    top = obs.top("total_time", 10)
+    assert top[0]["query"] == "UPDATE orders SET note = $1 WHERE customer IN ($2, ...)"
+    assert top[0]["calls"] == 20 and top[0]["rows"] == 60
+    assert top[0]["queue_ms_mean"] == 0.3 and top[0]["total_ms"] == 400
+    assert top[1]["query"] == "SELECT * FROM users WHERE id = $1" and top[1]["calls"] == 200
+    assert abs(top[0]["share"] + top[1]["share"] + top[2]["share"] - 1) < 1e-9
+    assert obs.top("errors", 1)[0]["errors"] == 1
+    assert obs.top("calls", 5, window_seconds=60)[0]["calls"] == 200
+
+    hot = obs.hot(5)
+    assert {t["table"] for t in hot["tables"]} == {"users", "orders"}
+    assert hot["tables"][0] == {"table": "users", "count": 200}
+    assert hot["values"][0]["column"] == "users.id" and hot["values"][0]["count"] >= 50
+    assert any(v["column"] == "orders.customer" for v in obs.hot(50)["values"])
+
+    summary = obs.stats_summary()
+    assert summary["queries"] == 221 and summary["errors"] == 1
+    assert summary["qps"] > 0 and summary["p99_ms"] > 0
+    assert summary["events_dropped"] == 0 and summary["evicted_fingerprints"] == 0
+
+    text = obs.metrics_text()
+    assert 'scry_database_query_duration_seconds_count{database="shop"} 201.0' in text
+    assert "scry_query_duration_seconds_count 221.0" in text
+    assert 'scry_pinned_queries_total{reason="set"} 20.0' in text
+    assert 'scry_query_errors_total{database="shop"} 1.0' in text
+    assert all(row["fingerprint"] not in text for row in top)  # never a per-fingerprint label
+
+    for output in (json.dumps(top), json.dumps(hot), json.dumps(summary), text):
+        assert str(SECRET_ID) not in output and SECRET_NAME not in output
+
+
+def test_pool_provider_and_breaker_metrics() -> None:
+    obs = _observatory(Clocks())
+    obs.metrics.set_pool_stats_provider(
+        lambda: [
+            dict(
+                database="shop",
+                user="app",
+                size=20,
+                active=15,
+                idle=5,
+                waiting=3,
+                max_wait_seconds=0.25,
+            )
+        ]
+    )
+    obs.metrics.breaker_state.labels(database="shop").set(2)
+    obs.metrics.breaker_transitions_total.labels(
+        database="shop", from_state="closed", to_state="open"
+    ).inc()
+    text = obs.metrics_text()
+    assert 'scry_pool_saturation{database="shop",user="app"} 0.75' in text
+    assert 'scry_pool_max_wait_seconds{database="shop",user="app"} 0.25' in text
+    assert 'scry_breaker_state{database="shop"} 2.0' in text
+    assert (
+        'scry_breaker_transitions_total{database="shop",from_state="closed",to_state="open"} 1.0'
+        in text
+    )
+
+
+async def test_events_and_tail_are_anonymized(tmp_path: Path) -> None:
+    clocks = Clocks()
+    path = tmp_path / "events.log"
+    obs = Observatory(
+        ObservabilityConfig(
+            anonymize_key="test",
+            events={"sink": "file", "path": str(path), "batch_size": 50, "flush_interval_ms": 20},
+        ),
+        clock=clocks.clock,
+        perf_counter_ns=clocks.perf_ns,
+        drain_interval=0.01,
+    )
+    tail = obs.subscribe({"database": "reports"}, maxsize=5)
+    await obs.start()
+    _feed(obs, clocks)
+    await asyncio.sleep(0.1)
+    await obs.stop()
+    events = list(read_events(path))
+    assert len(events) == 221
+    update = next(e for e in events if e["database"] == "reports")
+    assert update["query"] == "UPDATE orders SET note = $1 WHERE customer IN ($2, ...)"
+    assert update["pinned"] is True and update["pin_reasons"] == ["set"]
+    assert update["queue_us"] == 300 and update["total_us"] == 20_000 and update["rows"] == 3
+    assert (
+        update["worker"] == 2 and update["user"] == "batch" and update["application_name"] == "etl"
+    )
+    assert abs(update["ts"] - clocks.wall) < 1
+    assert events[-1]["sqlstate"] == "42601"
+    assert tail.qsize() == 5 and tail.dropped == 15
+    tailed = [tail.get_nowait() for _ in range(5)]
+    dump = path.read_bytes().decode("latin-1") + json.dumps(events) + json.dumps(tailed)
+    assert str(SECRET_ID) not in dump and SECRET_NAME not in dump
+
+
+def test_without_anonymization_events_carry_raw_text() -> None:
+    clocks = Clocks()
+    obs = _observatory(clocks, anonymize=False)
+    tail = obs.subscribe()
+    obs.record(
+        _record(clocks, ClientContext("c", "d", "u", "a"), "SELECT 1 FROM t WHERE id = 77", 10)
+    )
+    obs.drain()
+    assert tail.get_nowait()["query"] == "SELECT 1 FROM t WHERE id = 77"
+    assert "77" not in json.dumps(obs.hot())  # hot values are always keyed hashes
+
+
+def test_fingerprinting_off_computes_nothing() -> None:
+    clocks = Clocks()
+    obs = _observatory(clocks, fingerprinting=False)
+    _feed(obs, clocks)
+    assert obs.drain() == 0
+    assert obs.top() == [] and obs.stats_summary()["queries"] == 0
+
+
+def test_record_queue_is_bounded_and_counts_drops() -> None:
+    clocks = Clocks()
+    obs = Observatory(
+        ObservabilityConfig(), max_records=10, clock=clocks.clock, perf_counter_ns=clocks.perf_ns
+    )
+    ctx = ClientContext("c", "d", "u", "a")
+    for i in range(25):
+        obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
+    assert obs.records_dropped == 15 and obs.drain() == 10
+
+
+def test_max_fingerprints_evicts() -> None:
+    clocks = Clocks()
+    obs = _observatory(clocks, max_fingerprints=3)
+    ctx = ClientContext("c", "d", "u", "a")
+    for table in "abcdef":
+        obs.record(_record(clocks, ctx, f"SELECT * FROM {table}", 10))
+    obs.drain()
+    assert len(obs.top("calls", 10)) == 3
+    assert obs.stats_summary()["evicted_fingerprints"] == 3
+    assert "scry_fingerprints_evicted_total 3.0" in obs.metrics_text()
+
+
+def test_a_bad_record_does_not_stop_the_drain() -> None:
+    clocks = Clocks()
+    obs = _observatory(clocks)
+    obs.record(("not", "a", "record"))  # type: ignore[arg-type]
+    obs.record(_record(clocks, ClientContext("c", "d", "u", "a"), "SELECT 1", 10))
+    assert obs.drain() == 2
+    assert obs.record_failures == 1 and obs.stats_summary()["queries"] == 1

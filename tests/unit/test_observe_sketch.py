@@ -1,0 +1,106 @@
+"""Count-Min Sketch bounds, Top-K recall on a Zipf workload, decay, hot data."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import blake3
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scry.observe.anonymize import Anonymizer
+from scry.observe.sketch import CountMinSketch, HotData, TopK
+
+
+def _digest(key: object, depth: int) -> bytes:
+    return blake3.blake3(repr(key).encode()).digest(4 * depth)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    keys=st.lists(st.integers(min_value=0, max_value=500), min_size=1, max_size=400),
+    width=st.integers(min_value=1, max_value=64),
+    depth=st.integers(min_value=1, max_value=6),
+)
+def test_cms_never_underestimates(keys: list[int], width: int, depth: int) -> None:
+    cms = CountMinSketch(width, depth)
+    exact = Counter()
+    for k in keys:
+        d = _digest(k, depth)
+        estimate = cms.add_digest(d) if k % 2 else cms.add(cms.indexes(d))
+        exact[k] += 1
+        assert estimate >= exact[k]
+    for k, n in exact.items():
+        assert cms.estimate(cms.indexes(_digest(k, depth))) >= n
+    assert cms.total == len(keys)
+
+
+def _zipf_stream(n: int, universe: int, s: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1 / (rank**s) for rank in range(1, universe + 1)]
+    return rng.choices(range(universe), weights=weights, k=n)
+
+
+def test_topk_recall_on_zipf() -> None:
+    k, depth = 50, 4
+    stream = _zipf_stream(200_000, 50_000, 1.1, seed=7)
+    cms, top = CountMinSketch(2048, depth), TopK(k)
+    for key in stream:
+        if top.offer(key, cms.add_digest(_digest(key, depth))):
+            top.labels[key] = key
+    exact = Counter(stream)
+    truth = {key for key, _ in exact.most_common(k)}
+    found = {label for label, _ in top.items()}
+    recall = len(truth & found) / k
+    assert recall >= 0.95, recall
+    for label, estimate in top.items():
+        assert estimate >= exact[label]  # estimates only ever overestimate
+
+
+def test_decay_halves_everything() -> None:
+    cms, top = CountMinSketch(16, 2), TopK(2)
+    d = _digest("x", 2)
+    for _ in range(10):
+        top.offer("x", cms.add_digest(d))
+    top.labels["x"] = "x"
+    cms.halve()
+    top.halve()
+    assert cms.estimate(cms.indexes(d)) == 5
+    assert top.items() == [("x", 5)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_hot_data_tables_values_and_decay() -> None:
+    clock = Clock()
+    hot = HotData(Anonymizer("k"), top_k=5, width=256, depth=4, decay_seconds=60, clock=clock)
+    for i in range(100):
+        hot.add_table("pgbench_accounts")
+        hot.add_value("pgbench_accounts.aid", b"424242" if i % 2 else str(i).encode())
+    hot.add_table("pgbench_branches", 7)
+    view = hot.hot(3)
+    assert view["tables"][0] == {"table": "pgbench_accounts", "count": 100}
+    assert view["tables"][1] == {"table": "pgbench_branches", "count": 7}
+    top_value = view["values"][0]
+    assert top_value["column"] == "pgbench_accounts.aid" and top_value["count"] >= 50
+    assert "424242" not in repr(view)
+    assert hot.maybe_decay() is False
+    clock.now += 61
+    assert hot.maybe_decay() is True
+    assert hot.hot(1)["tables"][0]["count"] == 50
+
+
+def test_value_tokens_depend_on_the_key() -> None:
+    a = HotData(Anonymizer("one"), top_k=2)
+    b = HotData(Anonymizer("two"), top_k=2)
+    for hot in (a, b):
+        hot.add_value("t.c", b"'secret'")
+    assert a.hot()["values"][0]["value"] != b.hot()["values"][0]["value"]
+    assert "secret" not in repr(a.hot())
