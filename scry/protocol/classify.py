@@ -75,13 +75,15 @@ class Effect(NamedTuple):
 
 NO_EFFECTS: tuple[Effect, ...] = ()
 CACHE_SIZE = 4096
+CACHE_MAX_TEXT = 4096  # characters; longer texts are parsed every time
 
 # -- fast path ---------------------------------------------------------------
 # PostgreSQL whitespace and comments before the first keyword. A block
 # comment's body may not contain "/*": PostgreSQL nests block comments, and a
 # nested one must not make us read a keyword that is really inside a comment
 # (such texts simply fail this pattern and take the slow path).
-_LEAD = r"(?:[ \t\n\r\f\v]+|--[^\n\r]*|/\*(?:[^*/]|\*(?!/)|/(?!\*))*\*/)*"
+# Atomic, so that backtracking cannot end a "--" comment before its line does.
+_LEAD = r"(?>(?:[ \t\n\r\f\v]+|--[^\n\r]*|/\*(?:[^*/]|\*(?!/)|/(?!\*))*\*/)*)"
 # Keywords that start statements which cannot create session state by
 # themselves. Deliberately absent: SET, RESET, PREPARE, DEALLOCATE, CREATE,
 # DROP, DECLARE, CLOSE, LISTEN, UNLISTEN, LOAD, DISCARD, EXPLAIN (EXPLAIN
@@ -97,18 +99,21 @@ _SAFE_KEYWORDS = (
     "(?:(" + "|".join(_INTO_OK) + ")|" + "|".join(w for w in _SAFE_WORDS if w not in _INTO_OK) + ")"
 )
 _FAST_STR = re.compile(_LEAD + _SAFE_KEYWORDS + r"(?![\w$])")
-# In bytes mode \w is ASCII only; PostgreSQL identifiers also take any high-bit byte.
-_FAST_BYTES = re.compile((_LEAD + _SAFE_KEYWORDS + r"(?![\w$\x80-\xff])").encode())
 # The common layout "keyword ..." (or a bare keyword) is looked up without the
 # regex: first word -> may the text contain "into"?
 _FIRST_WORD = {word: word in _INTO_OK for word in _SAFE_WORDS}
-_FIRST_WORD_BYTES = {word.encode(): into_ok for word, into_ok in _FIRST_WORD.items()}
 _HEAD = 10  # longer than the longest keyword, so a head equal to a keyword is the keyword
-_PG_SPACE = " \t\n\r\f\v"
+# A Query body's terminating NUL may be left on the text.
+_PG_SPACE_OR_NUL = " \t\n\r\f\v\x00"
 
 
 def _fast_str(lowered: str) -> bool:
-    """True when ``lowered`` (a lower-cased statement text) is provably stateless."""
+    """True when ``lowered`` (a lower-cased statement text) is provably stateless.
+
+    Every check only ever answers "stateless" or "don't know": the cost of a
+    wrong "don't know" is one parse, the cost of a wrong "stateless" is a
+    client silently losing its session state.
+    """
     into_ok = _FIRST_WORD.get(lowered[:_HEAD].split(" ", 1)[0])
     if into_ok is None:
         m = _FAST_STR.match(lowered)
@@ -125,27 +130,7 @@ def _fast_str(lowered: str) -> bool:
         return False
     i = lowered.find(";")
     # A ";" followed by anything but whitespace may start a second statement.
-    return i < 0 or i == len(lowered) - 1 or not lowered[i + 1 :].strip(_PG_SPACE)
-
-
-def _fast_bytes(lowered: bytes) -> bool:
-    """As :func:`_fast_str` for a Query body (a trailing NUL is allowed)."""
-    into_ok = _FIRST_WORD_BYTES.get(lowered[:_HEAD].split(b" ", 1)[0])
-    if into_ok is None:
-        m = _FAST_BYTES.match(lowered)
-        if m is None:
-            return False
-        into_ok = m.lastindex is not None
-    if (
-        b"advisory" in lowered
-        or b"set_config" in lowered
-        or b"pg_settings" in lowered
-        or b"u&" in lowered
-        or (not into_ok and b"into" in lowered)
-    ):
-        return False
-    i = lowered.find(b";")
-    return i < 0 or not lowered[i + 1 :].strip(b" \t\n\r\f\v\x00")
+    return i < 0 or i == len(lowered) - 1 or not lowered[i + 1 :].strip(_PG_SPACE_OR_NUL)
 
 
 def is_stateless_fast(sql: str) -> bool:
@@ -160,31 +145,25 @@ def classify(sql: str) -> tuple[Effect, ...]:
     """The ordered effects of the statement text ``sql`` on session state."""
     if _fast_str(sql.lower()):
         return NO_EFFECTS
-    return _classify_cached(sql)
+    return _classify_cached(sql) if len(sql) <= CACHE_MAX_TEXT else _classify(sql)
 
 
 def classify_bytes(body: bytes) -> tuple[Effect, ...]:
     """:func:`classify` for a Query message body as received (NUL-terminated or not).
 
-    The text is decoded as UTF-8 only when the fast path cannot decide; a body
-    that is not UTF-8 is decoded as Latin-1 so that its (ASCII) keywords still
-    classify, though names and replay texts with non-ASCII bytes may then be
-    garbled: replay is only exact for UTF-8 clients.
+    Decoding costs less than any bytes-level scan would (bytes ``in`` is
+    several times slower than str ``in``). A body that is not UTF-8 is decoded
+    as Latin-1 so that its ASCII keywords still classify; names and replay
+    texts with non-ASCII bytes are then only right for LATIN1 clients.
     """
-    if _fast_bytes(body.lower()):
-        return NO_EFFECTS
-    return _classify_bytes_cached(body)
-
-
-@lru_cache(maxsize=CACHE_SIZE)
-def _classify_bytes_cached(body: bytes) -> tuple[Effect, ...]:
-    if body.endswith(b"\x00"):
-        body = body[:-1]
     try:
         text = body.decode()
     except UnicodeDecodeError:
         text = body.decode("latin-1")
-    return _classify_cached(text)
+    if _fast_str(text.lower()):
+        return NO_EFFECTS
+    text = text.rstrip("\x00")
+    return _classify_cached(text) if len(text) <= CACHE_MAX_TEXT else _classify(text)
 
 
 # -- slow path ---------------------------------------------------------------
@@ -219,8 +198,13 @@ _DROPPABLE = frozenset(
 _Node = dict[str, Any]
 
 
-@lru_cache(maxsize=CACHE_SIZE)
-def _classify_cached(sql: str) -> tuple[Effect, ...]:
+def _classify(sql: str) -> tuple[Effect, ...]:
+    """The slow path: parse ``sql`` and walk its statements."""
+    try:
+        source = sql.encode()
+    except UnicodeEncodeError:  # lone surrogates, e.g. from a surrogateescape decode
+        sql = sql.encode(errors="surrogatepass").decode(errors="replace")
+        source = sql.encode()
     try:
         tree_json = parse_sql_json(sql)
     except ParseError:
@@ -230,7 +214,6 @@ def _classify_cached(sql: str) -> tuple[Effect, ...]:
     walk_functions = (
         "advisory" in tree_json or "set_config" in tree_json or "pg_settings" in tree_json
     )
-    source = sql.encode()
     effects: list[Effect] = []
     txn_start = 0  # index in effects where the current (possibly implicit) transaction began
     savepoints: dict[str, int] = {}
@@ -242,11 +225,16 @@ def _classify_cached(sql: str) -> tuple[Effect, ...]:
         start = raw.get("stmt_location", 0)
         length = raw.get("stmt_len")
         stmt_bytes = source[start : start + length] if length else source[start:]
-        text = _trim(stmt_bytes.decode())
+        text = stmt_bytes.decode()
         effects.extend(_statement_effects(kind, body, text))
         if walk_functions:
-            effects.extend(_function_effects(kind, body, text))
+            effects.extend(_function_effects(kind, body))
     return tuple(effects)
+
+
+# Texts are cached whole; long ones (bulk loads, generated SQL) would make
+# the cache's memory unbounded and rarely repeat anyway.
+_classify_cached = lru_cache(maxsize=CACHE_SIZE)(_classify)
 
 
 def _play_transaction(
@@ -254,7 +242,7 @@ def _play_transaction(
 ) -> int:
     """Apply a transaction-control statement to ``effects``; return the new txn start."""
     kind = body.get("kind")
-    if kind in ("TRANS_STMT_BEGIN", "TRANS_STMT_START", "TRANS_STMT_COMMIT"):
+    if kind in ("TRANS_STMT_BEGIN", "TRANS_STMT_START", "TRANS_STMT_COMMIT", "TRANS_STMT_PREPARE"):
         savepoints.clear()
         return len(effects)
     if kind == "TRANS_STMT_ROLLBACK":
@@ -300,11 +288,11 @@ def _trim(text: str) -> str:
 
 
 def _statement_effects(kind: str, body: _Node, text: str) -> list[Effect]:
-    """Effects of one top-level statement (function calls aside)."""
+    """Effects of one top-level statement (function calls aside); ``text`` is its source."""
     if kind == "VariableSetStmt":
         return _set_effects(body, text)
     if kind == "PrepareStmt":
-        return [Effect("pin", "prepare", body["name"], text, False)]
+        return [Effect("pin", "prepare", body["name"], _trim(text), False)]
     if kind == "DeallocateStmt":
         return [Effect("unpin", "prepare", body.get("name"), None, False)]
     if kind in ("CreateStmt", "CreateSeqStmt", "ViewStmt"):
@@ -383,7 +371,7 @@ def _set_effects(body: _Node, text: str) -> list[Effect]:
     if name in _TRANSACTION_SCOPED:
         return []
     # FROM CURRENT copies a value that may itself be transaction-local: not replayable.
-    replay = text if kind == "VAR_SET_VALUE" else None
+    replay = _trim(text) if kind == "VAR_SET_VALUE" else None
     return [Effect("pin", "set", name, replay, True)]
 
 
@@ -424,7 +412,7 @@ def _explain_executes(body: _Node) -> bool:
 # -- functions anywhere in a statement ----------------------------------------
 
 
-def _function_effects(kind: str, body: _Node, text: str) -> list[Effect]:
+def _function_effects(kind: str, body: _Node) -> list[Effect]:
     """Effects of advisory-lock and set_config calls, and of UPDATE pg_settings."""
     effects: list[Effect] = []
     calls = list(_walk_calls(body))
@@ -568,7 +556,8 @@ _FALLBACK_NOT_SESSION = {
     "SET": frozenset({"LOCAL", "TRANSACTION", "CONSTRAINTS"}),
     "PREPARE": frozenset({"TRANSACTION"}),
 }
-_RISKY_NAMES = ("advisory", "set_config", "pg_settings", "pg_temp")
+_RISKY_NAMES = ("advisory", "set_config", "pg_settings")
+_INTO_OK_TOKENS = frozenset(word.upper() for word in _INTO_OK)
 
 
 def _fallback(sql: str) -> tuple[Effect, ...]:
@@ -592,20 +581,29 @@ def _fallback(sql: str) -> tuple[Effect, ...]:
 
 
 def _fallback_reason(sql: str, tokens: list[Any]) -> str | None:
-    first = tokens[0].name
+    """Why an unparseable statement might create session state (None: it cannot).
+
+    Deliberately no broader than what the fast path declines, so that the
+    fast path's "stateless" never contradicts this guess.
+    """
+    first: str = tokens[0].name
     second = tokens[1].name if len(tokens) > 1 else ""
     if first in _FALLBACK_PIN_KEYWORDS and second not in _FALLBACK_NOT_SESSION.get(
         first, frozenset()
     ):
         return "unparsed " + first.lower()
-    names = {t.name for t in tokens}
-    if first in ("CREATE", "SELECT", "WITH") and names & {"TEMP", "TEMPORARY"}:
-        return "unparsed temp"
+    words = [sql[t.start : t.end + 1].lower() for t in tokens if t.name == "IDENT"]
+    temp = bool({t.name for t in tokens} & {"TEMP", "TEMPORARY"}) or any(
+        w.strip('"').startswith("pg_temp") for w in words
+    )
+    if temp and first == "CREATE":
+        return "unparsed create temp"
+    if temp and first not in _INTO_OK_TOKENS and any(t.name == "INTO" for t in tokens):
+        return "unparsed into temp"
     for token in tokens:
         if token.name == "UIDENT":
             return "unparsed u&identifier"
-        if token.name == "IDENT":
-            word = sql[token.start : token.end + 1].lower()
-            if any(risky in word for risky in _RISKY_NAMES):
-                return "unparsed " + word.strip('"')
+    for word in words:
+        if any(risky in word for risky in _RISKY_NAMES):
+            return "unparsed " + word.strip('"')
     return None
