@@ -60,6 +60,7 @@ async def main(n: int) -> None:
     client.transport = FakeTransport()
     client.state = READY
     client.pool = pool
+    client.observed = "--no-observe" not in sys.argv
     query = m.query("SELECT abalance FROM pgbench_accounts WHERE aid = 4242;")
     response = (
         m.row_description([("abalance", 23)])
@@ -81,4 +82,5 @@ async def main(n: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 200_000))
+    counts = [a for a in sys.argv[1:] if a.isdigit()]
+    asyncio.run(main(int(counts[0]) if counts else 200_000))

@@ -18,9 +18,12 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
+from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 from scry.log import event
+from scry.observe.record import ClientContext
 from scry.pool import Pool, connect_error
 from scry.protocol import messages as m
 from scry.protocol import startup as st
@@ -47,6 +50,7 @@ _F = m.FUNCTION_CALL[0]
 _X = m.TERMINATE[0]
 _EXECUTE = m.EXECUTE[0]
 _PARSE = m.PARSE[0]
+_BIND = m.BIND[0]
 _COPY_DONE = m.COPY_DONE[0]
 _COPY_FAIL = m.COPY_FAIL[0]
 
@@ -86,6 +90,12 @@ MAX_QUEUED_BYTES = 256 * 1024
 STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 
 _ids = itertools.count(1)
+
+
+def parse_text(body: bytes) -> bytes:
+    """The query text of a Parse message body (statement name NUL query NUL ...)."""
+    start = body.find(b"\x00") + 1
+    return body[start : body.find(b"\x00", start)]
 
 
 def canonical_name(name: str) -> str:
@@ -161,11 +171,18 @@ class ClientConnection(asyncio.Protocol):
         # hybrid pooling: from then on its messages are read whole and rewritten.
         self._messages: MessageReader | None = None
         self.unanswered: list[tuple[bytes | list[tuple[int, bytes]], int]] | None = None
+        # Observability: what is running and since when (see scry.observe.record).
+        self.observed = proxy.observatory.enabled
+        self.context: ClientContext | None = None
+        self.inflight: deque[tuple[bytes, int]] = deque()  # (text, received ns) per answer owed
+        self.t_acquired = 0  # when the last waited-for server was linked
+        self.pins: tuple[str, ...] | None = None
+        self._last_text = b""
         self._retried = False
         self.statements: ClientStatements | None = None
         self._queued_bytes = 0
         self._syncs_since_execute = 0
-        self._waiting_since = 0.0
+        self.waiting_since = 0.0
         self._wait_timer: asyncio.TimerHandle | None = None
         self._login_timer: asyncio.TimerHandle | None = None
         self._paused_waiting = False
@@ -353,6 +370,7 @@ class ClientConnection(asyncio.Protocol):
             self._login_timer.cancel()
             self._login_timer = None
         self.state = READY
+        self.context = ClientContext(self.id, self.database, self.user, self.application_name)
         event("client login", client=self.id, addr=self.addr, user=self.user,
               db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
         assert self._reader is not None
@@ -379,34 +397,55 @@ class ClientConnection(asyncio.Protocol):
             return
         owed = 0
         terminate = False
+        texts = [] if self.observed else None  # statement text per ReadyForQuery owed
         for kind, end, body in events:
             # Query, Sync and FunctionCall are each answered by one ReadyForQuery.
             if kind == _SYNC:
                 owed += 1
                 self._syncs_since_execute += 1
-            elif kind in (_Q, _F):
+                if texts is not None:
+                    texts.append(self._last_text)
+            elif kind == _Q:
                 owed += 1
                 self._syncs_since_execute = 0
+                if texts is not None:
+                    texts.append(body)
             elif kind == _EXECUTE:
                 self._syncs_since_execute = 0
+            elif kind == _PARSE:
+                if texts is not None:
+                    self._last_text = parse_text(body)
+                if (
+                    body[:1] != b"\x00"
+                    and self.transaction_pooling
+                    and self._start_rewriting(out, end - 5 - len(body), owed, texts)
+                ):
+                    return
+            elif kind == _F:
+                owed += 1
+                self._syncs_since_execute = 0
+                if texts is not None:
+                    texts.append(b"<function call>")
             elif kind == _X:
                 out = out[: end - 5]
                 terminate = True
                 break
-            elif (
-                kind == _PARSE
-                and body[:1] != b"\x00"
-                and self.transaction_pooling
-                and self._start_rewriting(out, end - 5 - len(body), owed)
-            ):
-                return
             else:  # CopyDone / CopyFail
-                # PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent
-                # after the Execute that started the copy earns no ReadyForQuery.
-                owed -= self._syncs_since_execute
-                self._syncs_since_execute = 0
+                owed -= self._copy_ignored_syncs(texts)
+        if texts:
+            if len(texts) == 1:
+                self.inflight.append((texts[0], perf_counter_ns()))
+            else:
+                self._note_inflight(texts)
         if out:
-            self._forward(out, owed, len(out))
+            server = self.server
+            if server is not None:  # the common case, inlined
+                self.unanswered = None
+                server.pending += owed
+                server.statements.segments_sent += owed
+                server.transport.write(out)  # type: ignore[union-attr]
+            else:
+                self._forward(out, owed, len(out))
         if terminate:
             self._cleanup("client closed")
 
@@ -434,7 +473,27 @@ class ClientConnection(asyncio.Protocol):
         assert self.statements is not None
         return rewrite_statements(messages, self.statements, server.statements)
 
-    def _start_rewriting(self, out: bytes, parse_start: int, owed: int) -> bool:
+    def _copy_ignored_syncs(self, texts: list[bytes] | None) -> int:
+        """PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent after the
+        Execute that started the copy earns no ReadyForQuery. Returns how many."""
+        ignored = self._syncs_since_execute
+        self._syncs_since_execute = 0
+        for _ in range(ignored):
+            if texts:
+                texts.pop()
+            elif self.inflight:
+                self.inflight.pop()
+        return ignored
+
+    def _note_inflight(self, texts: list[bytes]) -> None:
+        now = perf_counter_ns()
+        inflight = self.inflight
+        for text in texts:
+            inflight.append((text, now))
+
+    def _start_rewriting(
+        self, out: bytes, parse_start: int, owed: int, texts: list[bytes] | None
+    ) -> bool:
         """The client named a prepared statement: switch to whole-message rewriting.
 
         Everything before the Parse is forwarded as scanned; the Parse and what
@@ -446,6 +505,8 @@ class ClientConnection(asyncio.Protocol):
         head, tail = out[:parse_start], out[parse_start:] + self._scanner.detach()
         self._messages = MessageReader(self.proxy.config.max_packet_size)
         self.statements = ClientStatements()
+        if texts:
+            self._note_inflight(texts)
         if head:
             self._forward(head, owed, len(head))
         self._relay_messages(tail)
@@ -465,27 +526,49 @@ class ClientConnection(asyncio.Protocol):
         owed = 0
         terminate = False
         size = 0
+        texts = [] if self.observed else None
         for index, (kind, body) in enumerate(messages):
             if kind == _SYNC:
                 owed += 1
                 self._syncs_since_execute += 1
+                if texts is not None:
+                    texts.append(self._last_text)
             elif kind in (_Q, _F):
                 owed += 1
                 self._syncs_since_execute = 0
+                if texts is not None:
+                    texts.append(body if kind == _Q else b"<function call>")
             elif kind == _EXECUTE:
                 self._syncs_since_execute = 0
+            elif kind == _PARSE:
+                if texts is not None:
+                    self._last_text = parse_text(body)
+            elif kind == _BIND:
+                if texts is not None:
+                    self._last_text = self._bound_text(body)
             elif kind == _X:
                 del messages[index:]
                 terminate = True
                 break
             elif kind in (_COPY_DONE, _COPY_FAIL):
-                owed -= self._syncs_since_execute
-                self._syncs_since_execute = 0
+                owed -= self._copy_ignored_syncs(texts)
             size += len(body) + 5
+        if texts:
+            self._note_inflight(texts)
         if messages:
             self._forward(messages, owed, size)
         if terminate:
             self._cleanup("client closed")
+
+    def _bound_text(self, bind_body: bytes) -> bytes:
+        """The statement text behind a Bind (the last Parse's, for the unnamed statement)."""
+        portal_end = bind_body.index(b"\x00")
+        name = bind_body[portal_end + 1 : bind_body.index(b"\x00", portal_end + 1)]
+        if name and self.statements is not None:
+            known = self.statements.by_name.get(name)
+            if known is not None:
+                return known[1].split(b"\x00", 1)[0]
+        return self._last_text
 
     def _at_boundary(self) -> bool:
         if self._messages is not None:
@@ -495,20 +578,35 @@ class ClientConnection(asyncio.Protocol):
     def _get_server(self) -> None:
         pool = self.pool
         assert pool is not None
-        if self._waiting_since:
+        if self.waiting_since:
             return  # already queued at the pool
         if self.proxy.draining:
             self.fatal(ADMIN_SHUTDOWN, "scry is shutting down")
+            return
+        if not pool.breaker.allow():
+            self._reject_queued(*pool.breaker.rejection_message(pool.target.name))
             return
         server = pool.acquire_nowait()
         if server is not None:
             self._link(server)
             return
-        self._waiting_since = time.monotonic()
+        self.waiting_since = time.monotonic()
         timeout = self.proxy.config.timeouts.query_wait_timeout
         if timeout:
             self._wait_timer = asyncio.get_running_loop().call_later(timeout, self._wait_timed_out)
         pool.wait(self)
+
+    def _reject_queued(self, sqlstate: str, text: str) -> None:
+        """Answer every queued request with an error instead of running it (breaker open)."""
+        owed = self._queued_owed
+        if owed <= 0:
+            return  # nothing waits for an answer yet; decide when the Sync comes
+        self._queue.clear()
+        self._queued_owed = 0
+        self._queued_bytes = 0
+        self.inflight.clear()
+        answer = m.error_response(sqlstate, text) + m.ready_for_query()
+        self.transport.write(answer * owed)
 
     def attach(self, server: ServerConnection) -> bool:
         """Called by the pool when a server is free for this waiting client."""
@@ -519,8 +617,11 @@ class ClientConnection(asyncio.Protocol):
         if self._wait_timer is not None:
             self._wait_timer.cancel()
             self._wait_timer = None
-        pool.total_wait_us += int((time.monotonic() - self._waiting_since) * 1e6)
-        self._waiting_since = 0.0
+        waited = time.monotonic() - self.waiting_since
+        pool.total_wait_us += int(waited * 1e6)
+        pool.observe_wait(waited)
+        self.waiting_since = 0.0
+        self.t_acquired = perf_counter_ns()
         self._link(server)
         if self._paused_waiting:
             self._paused_waiting = False
@@ -530,15 +631,20 @@ class ClientConnection(asyncio.Protocol):
     def _link(self, server: ServerConnection) -> None:
         self.server = server
         server.link(self)
-        if self._queue:
-            parts = []
+        queue = self._queue
+        if queue:
             statements = server.statements
-            for payload, owed in self._queue:
-                parts.append(
-                    payload if isinstance(payload, bytes) else self._render(payload, server)
-                )
+            if len(queue) == 1 and queue[0][0].__class__ is bytes:
+                data, owed = queue[0]  # type: ignore[assignment]
                 statements.segments_sent += owed
-            data = b"".join(parts) if len(parts) > 1 else parts[0]
+            else:
+                parts = []
+                for payload, owed in queue:
+                    parts.append(
+                        payload if isinstance(payload, bytes) else self._render(payload, server)
+                    )
+                    statements.segments_sent += owed
+                data = b"".join(parts)
             # Kept until the server answers: if it dies first, nothing ran and
             # the same messages can go to another server.
             self.unanswered = self._queue
@@ -565,6 +671,7 @@ class ClientConnection(asyncio.Protocol):
             server.applied = self.params
             if name == "application_name":
                 self.application_name = value
+                self.context = ClientContext(self.id, self.database, self.user, value)
 
     def on_server_lost(self, server: ServerConnection, reason: str) -> None:
         """Our server died under us.
@@ -592,7 +699,7 @@ class ClientConnection(asyncio.Protocol):
 
     def fail_waiting(self, sqlstate: str, text: str) -> None:
         """The pool cannot open a server for us: fail instead of hanging."""
-        self._waiting_since = 0.0
+        self.waiting_since = 0.0
         self.fatal(sqlstate, text)
 
     def _wait_timed_out(self) -> None:
@@ -600,8 +707,8 @@ class ClientConnection(asyncio.Protocol):
         pool = self.pool
         assert pool is not None
         pool.cancel_wait(self)
-        waited = time.monotonic() - self._waiting_since
-        self._waiting_since = 0.0
+        waited = time.monotonic() - self.waiting_since
+        self.waiting_since = 0.0
         event("query_wait_timeout", logging.WARNING, client=self.id, pool=pool.name,
               waited_s=round(waited, 3))  # fmt: skip
         self.fatal(
@@ -663,7 +770,7 @@ class ClientConnection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
         pool = self.pool
-        if pool is not None and self._waiting_since:
+        if pool is not None and self.waiting_since:
             pool.cancel_wait(self)
         server = self.server
         self.server = None

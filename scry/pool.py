@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,8 @@ class Pool:
         self._retry_handle: asyncio.TimerHandle | None = None
         self._connect_failures = 0
         self.stale = False  # config changed: retire servers as they come back
+        self.breaker = proxy.breaker_for(target.name)
+        self.health = proxy.health_for(target.name)
         # (setting, value as a client wrote it) -> PostgreSQL's spelling of it
         self.setting_spellings: dict[tuple[str, str], str] = {}
         # Counters for SHOW/admin views.
@@ -188,6 +191,7 @@ class Pool:
     def _on_connect_failed(self, exc: Exception) -> None:
         self.last_error = exc
         self._connect_failures += 1
+        self.breaker.record_failure(connect_error(exc)[1])
         event(
             "server connection failed",
             logging.WARNING,
@@ -230,6 +234,13 @@ class Pool:
             fut.set_exception(exc)
             fut.exception()  # mark retrieved; each waiter re-raises its own copy
         self._welcome_future = None
+
+    def observe_wait(self, waited: float) -> None:
+        """A waiting client got a server after ``waited`` seconds (the slow path only)."""
+        self.health.observe_pool(waited, self.active_count / self.size, len(self.waiters))
+
+    def oldest_wait(self, now: float) -> float:
+        return now - self.waiters[0].waiting_since if self.waiters else 0.0
 
     async def check_settings(self, settings: dict[str, str]) -> dict[str, str]:
         """PostgreSQL's spelling of reported startup settings, learned once per value.
@@ -320,6 +331,7 @@ class _Borrower:
 
     def __init__(self, future: asyncio.Future[ServerConnection]) -> None:
         self.future = future
+        self.waiting_since = time.monotonic()
 
     def attach(self, server: ServerConnection) -> bool:
         if self.future.done():

@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING
 
 from scry import __version__
 from scry.auth import AuthPolicy
+from scry.breaker import CLOSED, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
+from scry.health import HealthMonitor
 from scry.log import event, setup_logging
+from scry.observe.pipeline import Observatory
 from scry.pool import Pool
 
 if TYPE_CHECKING:
@@ -44,6 +47,10 @@ class Proxy:
         self.started_at = time.time()
         self.draining = False
         self.clock = time.monotonic()  # coarse clock, updated by the janitor
+        self.observatory = Observatory(config.observability)
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.health: dict[str, HealthMonitor] = {}
+        self.observatory.query_listeners.append(self._feed_health)
         self._stopped = asyncio.Event()
         self._janitor: asyncio.Task[None] | None = None
 
@@ -65,6 +72,7 @@ class Proxy:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.listeners.append(server)
         self._janitor = loop.create_task(self._janitor_loop())
+        await self.observatory.start()
         event("listening", addr=self.config.listen_addr, version=__version__,
               mode=self.config.pool.mode, pid=os.getpid())  # fmt: skip
 
@@ -148,6 +156,61 @@ class Proxy:
             now = self.clock = time.monotonic()
             for pool in list(self.pools.values()):
                 pool.maintain(now)
+            self._check_health()
+
+    # --- breakers and health ----------------------------------------------------------
+
+    def breaker_for(self, database: str) -> CircuitBreaker:
+        """The circuit breaker of a database (one per worker, created on first use)."""
+        breaker = self.breakers.get(database)
+        if breaker is None:
+            breaker = CircuitBreaker(self.config.circuit_breaker, name=database)
+            breaker.on_transition = self._on_breaker_transition
+            self.breakers[database] = breaker
+        return breaker
+
+    def health_for(self, database: str) -> HealthMonitor:
+        monitor = self.health.get(database)
+        if monitor is None:
+            monitor = HealthMonitor(self.config.health, name=database)
+            self.health[database] = monitor
+        return monitor
+
+    def _on_breaker_transition(self, breaker: CircuitBreaker, transition: Transition) -> None:
+        level = logging.WARNING if transition.to_state != "closed" else logging.INFO
+        event("circuit breaker " + str(transition.to_state), level, database=breaker.name,
+              previous=str(transition.from_state), reason=transition.reason)  # fmt: skip
+        metrics = self.observatory.metrics
+        code = {"closed": 0, "half_open": 1, "open": 2}.get(str(transition.to_state), 2)
+        metrics.breaker_state.labels(database=breaker.name).set(code)
+        metrics.breaker_transitions_total.labels(
+            database=breaker.name,
+            from_state=str(transition.from_state),
+            to_state=str(transition.to_state),
+        ).inc()
+
+    def _feed_health(self, database: str, total_us: int, sqlstate: str | None) -> None:
+        # Called from the observatory's drain, off the query path.
+        monitor = self.health.get(database)
+        if monitor is not None:
+            sick = sqlstate is not None and classify_sqlstate(sqlstate)
+            monitor.observe_query(total_us / 1e6, sick)
+
+    def _check_health(self) -> None:
+        now = self.clock
+        for pool in self.pools.values():
+            waiting = len(pool.waiters)
+            pool.health.observe_pool_state(
+                pool.active_count / pool.size, waiting, pool.oldest_wait(now)
+            )
+        for name, breaker in self.breakers.items():
+            breaker.tick()
+            monitor = self.health.get(name)
+            if monitor is None:
+                continue
+            monitor.evaluate()
+            if breaker.state is CLOSED and (reason := monitor.should_open()):
+                breaker.trip(f"predictive: {reason}", hold=False)
 
     # --- pools and clients ----------------------------------------------------------
 
@@ -222,6 +285,7 @@ async def serve(config: Config, config_path: str | None = None) -> int:
     loop.add_signal_handler(signal.SIGTERM, on_stop_signal, "SIGTERM")
     loop.add_signal_handler(signal.SIGHUP, proxy.reload)
     await proxy.wait_stopped()
+    await proxy.observatory.stop()
     event("stopped")
     return 0
 

@@ -20,8 +20,10 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
+from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.auth import BackendAuthError, BackendAuthExchange
@@ -44,6 +46,7 @@ _TX_IDLE = m.TX_IDLE
 
 # What the relay must see in the server's stream; everything else is forwarded unread.
 RELAY_WANT = (
+    m.COMMAND_COMPLETE,  # row counts, for observability only: keep it first
     m.READY_FOR_QUERY,
     m.PARAMETER_STATUS,
     m.ERROR_RESPONSE,
@@ -51,6 +54,7 @@ RELAY_WANT = (
     m.CLOSE_COMPLETE,
 )
 _PARSE_COMPLETE = m.PARSE_COMPLETE[0]
+_C = m.COMMAND_COMPLETE[0]
 _CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 
 _ids = itertools.count(1)
@@ -101,7 +105,8 @@ class ServerConnection(asyncio.Protocol):
         self.last_used = self.created_at
         self.close_reason = ""
         self.local_addr = ""
-        self._scanner = MessageScanner(RELAY_WANT, pool.max_message_size)
+        want = RELAY_WANT if pool.proxy.observatory.enabled else RELAY_WANT[1:]
+        self._scanner = MessageScanner(want, pool.max_message_size)
         self._reader: MessageReader | None = None
         self._auth: BackendAuthExchange | None = None
         self._login_waiter: asyncio.Future[None] | None = None
@@ -111,6 +116,10 @@ class ServerConnection(asyncio.Protocol):
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
         self.statements = ServerStatements(pool.settings.max_prepared_statements)
+        self.breaker = pool.breaker
+        self.observe = pool.proxy.observatory.record
+        self.last_tag = b""  # CommandComplete tag of the statement running now
+        self.sqlstate: str | None = None  # its ErrorResponse code, if any
 
     # --- connecting and login ------------------------------------------------
 
@@ -208,6 +217,7 @@ class ServerConnection(asyncio.Protocol):
         release = False
         cut = 0  # bytes already dropped from the front of ``out``
         drops: list[int] | None = None  # ends of ParseComplete/CloseComplete scry caused
+        t_done = 0
         for kind, end, body in events:
             if kind == _Z:
                 self.tx_status = body[0]
@@ -218,8 +228,31 @@ class ServerConnection(asyncio.Protocol):
                     cut = end
                     continue
                 self.pending -= 1
-                self.statements.on_ready()
+                statements = self.statements
+                statements.segments_done += 1
+                if statements.expect:
+                    statements.on_ready()
                 release = self.pending <= 0 and body[0] == _TX_IDLE
+                sqlstate = self.sqlstate
+                if sqlstate is not None:
+                    self.sqlstate = None
+                elif self.breaker.state is not BREAKER_CLOSED or self.breaker.consecutive_failures:
+                    self.breaker.record_success()  # only news when something was wrong
+                if client.inflight:
+                    # The statement is complete: one cheap append, the rest is off-path.
+                    text, t_received = client.inflight.popleft()
+                    if not t_done:
+                        t_done = perf_counter_ns()
+                    t_acquired = client.t_acquired
+                    if t_acquired < t_received:
+                        t_acquired = t_received
+                    self.observe(
+                        (client.context, text, t_received, t_acquired, t_acquired, t_done,
+                         self.last_tag, sqlstate, client.pins)
+                    )  # fmt: skip
+                    self.last_tag = b""
+            elif kind == _C:
+                self.last_tag = body
             elif kind in (_PARSE_COMPLETE, _CLOSE_COMPLETE):
                 if self.statements.on_response(kind):
                     if drops is None:
@@ -231,6 +264,9 @@ class ServerConnection(asyncio.Protocol):
                 client.on_parameter_status(self, name, value)
             elif kind == _E and not self.swallow:
                 self.statements.on_error()
+                fields = m.parse_fields(body)
+                self.sqlstate = fields.get("C", "XX000")
+                self.breaker.record_server_error(self.sqlstate, fields.get("M", ""))
             elif kind == _E and m.parse_fields(body).get("S") != "FATAL":
                 event(
                     "could not apply a client setting on the server",
@@ -274,6 +310,9 @@ class ServerConnection(asyncio.Protocol):
 
     def _broken(self, reason: str) -> None:
         client = self.client
+        if client is not None and self.sqlstate is None:
+            # Lost mid-request without an error saying why: the server is sick.
+            self.breaker.record_failure("server connection lost")
         self.close(reason)
         if client is not None:
             client.on_server_lost(self, reason)
@@ -318,7 +357,8 @@ class ServerConnection(asyncio.Protocol):
         self.state = ACTIVE
         self.client = client
         self.pending = 0
-        self.statements.start_link()
+        if self.statements.expect:  # all answered while idle; nothing may linger
+            self.statements.expect.clear()
         wanted = client.params
         if self.applied is not wanted:
             if self.applied != wanted:

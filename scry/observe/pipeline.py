@@ -39,6 +39,7 @@ from scry.observe.record import QueryRecord
 from scry.observe.sinks import EventShipper, Sink, make_sink
 from scry.observe.sketch import HotData
 from scry.observe.stats import StatsTable
+from scry.protocol.messages import parse_command_rows
 
 
 class Observatory:
@@ -76,6 +77,9 @@ class Observatory:
             clock=clock,
         )
         self.metrics = ObserveMetrics()
+        # Called per record during the drain with (database, total_us, sqlstate):
+        # how the proxy's health monitors are fed without touching the query path.
+        self.query_listeners: list[Callable[[str, int, str | None], None]] = []
         self.metrics.set_pipeline_stats_provider(self._pipeline_counters)
         events = config.events
         self.ring = EventRing(events.buffer_capacity)
@@ -163,11 +167,16 @@ class Observatory:
         offset = self._wall_offset
         want_events = self._ship_events or bool(self._subscribers)
         popleft = records.popleft
+        listeners = self.query_listeners
         shapes_seen: dict[Any, int] = {}  # tables are counted once per shape per drain
         for _ in range(n):
             rec = popleft()
             try:
                 ctx, text, t_received, t_acquired, t_sent, t_done, rows, sqlstate, pins = rec
+                if text[-1:] == b"\x00":  # a Query body keeps its terminator
+                    text = text[:-1]
+                if rows.__class__ is bytes:  # the CommandComplete tag, parsed here
+                    rows = parse_command_rows(rows)
                 shape, literals, collapsed = lookup(text)
                 total_us = (t_done - t_received) // 1000
                 queue_us = (t_acquired - t_received) // 1000
@@ -191,6 +200,8 @@ class Observatory:
                     for column, literal in lookup_values(shape, text, literals, collapsed):
                         hot.add_value(column, literal)
                 observe_query(ctx.database, total_us, queue_us, acquire_us, backend_us, error, pins)
+                for listener in listeners:
+                    listener(ctx.database, total_us, sqlstate)
                 if want_events:
                     self._publish(
                         (

@@ -73,12 +73,8 @@ class ServerStatements:
         self.capacity = max(1, capacity)
         self.names: OrderedDict[bytes, None] = OrderedDict()
         self.expect: deque[Expected] = deque()
-        self.segments_sent = 0  # Sync/Query/FunctionCall messages sent this link
-        self.segments_done = 0  # ReadyForQuery messages received this link
-
-    def start_link(self) -> None:
-        """A new client link: nothing is owed (the server was idle)."""
-        self.expect.clear()
+        # Sync/Query/FunctionCall messages sent and ReadyForQuery received, ever;
+        # equal whenever the server is idle, so links need no reset.
         self.segments_sent = 0
         self.segments_done = 0
 
@@ -101,7 +97,7 @@ class ServerStatements:
             expect.popleft()
 
     def on_ready(self) -> None:
-        self.segments_done += 1
+        """After ``segments_done`` was advanced for a ReadyForQuery."""
         # Anything still recorded for a finished segment was skipped.
         expect = self.expect
         while expect and expect[0].segment < self.segments_done:
