@@ -22,6 +22,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
+from scry.hybrid import SessionTracker
 from scry.log import event
 from scry.observe.record import ClientContext
 from scry.pool import Pool, connect_error
@@ -160,6 +161,10 @@ class ClientConnection(asyncio.Protocol):
         self.connected_at = time.time()
         self.cancel_key: tuple[int, int] | None = None
         self.transaction_pooling = True
+        self.tracker: SessionTracker | None = None  # transaction and hybrid modes
+        self.ordinal = 0  # ReadyForQuery messages owed to this client, ever
+        self.answered = 0  # ReadyForQuery messages it received, ever
+        self.last_active = 0.0  # proxy.clock at its last message
         self._startup_buf = bytearray()
         self._reader: MessageReader | None = None
         self._auth: ClientAuthExchange | None = None
@@ -279,9 +284,10 @@ class ClientConnection(asyncio.Protocol):
         self.application_name = settings.get("application_name", "")
         server_user, server_password = proxy.auth.server_credentials(target, self.user)
         self.pool = proxy.pool_for(target, server_user, server_password)
-        # Hybrid pooling lands with its session-state tracker; until then it keeps
-        # the server for the whole session, which is always safe.
-        self.transaction_pooling = self.pool.mode == "transaction"
+        mode = self.pool.mode
+        self.transaction_pooling = mode != "session"
+        if mode != "session":
+            self.tracker = SessionTracker(self.id, pinning=mode == "hybrid")
         self._auth = ClientAuthExchange(
             proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
         )
@@ -398,6 +404,8 @@ class ClientConnection(asyncio.Protocol):
         owed = 0
         terminate = False
         texts = [] if self.observed else None  # statement text per ReadyForQuery owed
+        tracker = self.tracker
+        self.last_active = self.proxy.clock
         for kind, end, body in events:
             # Query, Sync and FunctionCall are each answered by one ReadyForQuery.
             if kind == _SYNC:
@@ -405,22 +413,28 @@ class ClientConnection(asyncio.Protocol):
                 self._syncs_since_execute += 1
                 if texts is not None:
                     texts.append(self._last_text)
+                if tracker is not None:
+                    tracker.on_sync(self.ordinal + owed)
             elif kind == _Q:
                 owed += 1
                 self._syncs_since_execute = 0
                 if texts is not None:
                     texts.append(body)
+                if tracker is not None:
+                    tracker.on_query(body, self.ordinal + owed)
             elif kind == _EXECUTE:
                 self._syncs_since_execute = 0
             elif kind == _PARSE:
-                if texts is not None:
-                    self._last_text = parse_text(body)
+                text = parse_text(body)
+                self._last_text = text
+                if tracker is not None:
+                    tracker.on_parse(text)
                 if (
                     body[:1] != b"\x00"
                     and self.transaction_pooling
                     and self._start_rewriting(out, end - 5 - len(body), owed, texts)
                 ):
-                    return
+                    return  # (the rewriting path counted the ordinals)
             elif kind == _F:
                 owed += 1
                 self._syncs_since_execute = 0
@@ -432,6 +446,7 @@ class ClientConnection(asyncio.Protocol):
                 break
             else:  # CopyDone / CopyFail
                 owed -= self._copy_ignored_syncs(texts)
+        self.ordinal += owed
         if texts:
             if len(texts) == 1:
                 self.inflight.append((texts[0], perf_counter_ns()))
@@ -505,6 +520,7 @@ class ClientConnection(asyncio.Protocol):
         head, tail = out[:parse_start], out[parse_start:] + self._scanner.detach()
         self._messages = MessageReader(self.proxy.config.max_packet_size)
         self.statements = ClientStatements()
+        self.ordinal += owed
         if texts:
             self._note_inflight(texts)
         if head:
@@ -527,22 +543,32 @@ class ClientConnection(asyncio.Protocol):
         terminate = False
         size = 0
         texts = [] if self.observed else None
+        tracker = self.tracker
+        self.last_active = self.proxy.clock
         for index, (kind, body) in enumerate(messages):
             if kind == _SYNC:
                 owed += 1
                 self._syncs_since_execute += 1
                 if texts is not None:
                     texts.append(self._last_text)
+                if tracker is not None:
+                    tracker.on_sync(self.ordinal + owed)
             elif kind in (_Q, _F):
                 owed += 1
                 self._syncs_since_execute = 0
                 if texts is not None:
                     texts.append(body if kind == _Q else b"<function call>")
+                if tracker is not None and kind == _Q:
+                    tracker.on_query(body, self.ordinal + owed)
             elif kind == _EXECUTE:
                 self._syncs_since_execute = 0
             elif kind == _PARSE:
-                if texts is not None:
-                    self._last_text = parse_text(body)
+                text = parse_text(body)
+                self._last_text = text
+                if tracker is not None and body[:1] == b"\x00":
+                    # Named statements run their text at each Execute; protocol-level
+                    # prepares are tracked by scry itself and never pin.
+                    tracker.on_parse(text)
             elif kind == _BIND:
                 if texts is not None:
                     self._last_text = self._bound_text(body)
@@ -553,6 +579,7 @@ class ClientConnection(asyncio.Protocol):
             elif kind in (_COPY_DONE, _COPY_FAIL):
                 owed -= self._copy_ignored_syncs(texts)
             size += len(body) + 5
+        self.ordinal += owed
         if texts:
             self._note_inflight(texts)
         if messages:
@@ -631,6 +658,13 @@ class ClientConnection(asyncio.Protocol):
     def _link(self, server: ServerConnection) -> None:
         self.server = server
         server.link(self)
+        tracker = self.tracker
+        if tracker is not None and tracker.needs_replay:
+            # This client's SETs and PREPAREs were left on a reclaimed server:
+            # re-create them here, before its query, and hide the answers.
+            tracker.needs_replay = False
+            server.swallow += 1
+            server.transport.write(m.query(tracker.replay_sql()))  # type: ignore[union-attr]
         queue = self._queue
         if queue:
             statements = server.statements
@@ -658,6 +692,9 @@ class ClientConnection(asyncio.Protocol):
         """The server answered everything and is idle: give it back if pooling allows."""
         if not self.transaction_pooling or not self._at_boundary():
             return
+        tracker = self.tracker
+        if tracker is not None and tracker.pinned:
+            return  # session state lives on this server: keep it
         self._retried = False
         self.server = None
         server.unlink()
@@ -790,10 +827,65 @@ class ClientConnection(asyncio.Protocol):
             server.close("client left with a query or transaction in progress")
             return
         reset = pool.settings.server_reset_query
-        if reset and (not self.transaction_pooling or pool.settings.server_reset_query_always):
+        pinned = self.tracker is not None and self.tracker.pinned
+        if reset and (
+            not self.transaction_pooling or pinned or pool.settings.server_reset_query_always
+        ):
             pool.release_with_reset(server, reset)
         else:
             pool.release(server)
+
+    def reclaim_pinned_server(self, why: str) -> bool:
+        """Hybrid: give a replayable pinned client's idle server back to the pool.
+
+        The server is reset (DISCARD ALL) before anyone else gets it; the
+        client's SETs and PREPAREs are replayed on its next server. Returns
+        False when the client is not in a state where that is safe.
+        """
+        tracker = self.tracker
+        server = self.server
+        pool = self.pool
+        if (
+            tracker is None
+            or server is None
+            or pool is None
+            or not tracker.pinned
+            or not tracker.state.replayable
+            or tracker.work
+            or not server.clean
+            or not self._at_boundary()
+            or self._queue
+        ):
+            return False
+        self.server = None
+        server.unlink()
+        tracker.needs_replay = True
+        event("pinned client released its server; its state will be replayed", client=self.id,
+              server=server.id, why=why, reasons=",".join(tracker.state.reasons()))  # fmt: skip
+        pool.release_with_reset(server, "DISCARD ALL")
+        return True
+
+    def force_unpin(self, disconnect: bool = False) -> dict[str, object]:
+        """The admin's force-unpin: replay what can be replayed, say what could not.
+
+        Replayable state (SET, PREPARE) moves with the client. Anything else
+        (temp tables, cursors, advisory locks, LISTEN, LOAD) cannot: without
+        ``disconnect`` the request is refused and nothing changes; with it the
+        client is disconnected so its server can be reset and reused.
+        """
+        tracker = self.tracker
+        if tracker is None or not tracker.pinned:
+            return {"unpinned": False, "reason": "client is not pinned"}
+        kept = [r for r in tracker.state.reasons() if r not in ("set", "prepare")]
+        if not kept and self.reclaim_pinned_server("force-unpin"):
+            return {"unpinned": True, "replayed": tracker.state.reasons(), "lost": []}
+        if kept and disconnect:
+            self.fatal(
+                ADMIN_SHUTDOWN, "terminating connection: session force-unpinned by an administrator"
+            )
+            return {"unpinned": True, "replayed": [], "lost": kept, "disconnected": True}
+        why = "not replayable: " + ", ".join(kept) if kept else "client is busy; try again"
+        return {"unpinned": False, "reason": why, "lost": kept}
 
     def cancel_current_query(self) -> None:
         """A CancelRequest with our key: cancel what our server runs, if anything."""

@@ -157,6 +157,7 @@ class Proxy:
             for pool in list(self.pools.values()):
                 pool.maintain(now)
             self._check_health()
+            self._reclaim_idle_pins(now)
 
     # --- breakers and health ----------------------------------------------------------
 
@@ -195,6 +196,18 @@ class Proxy:
         if monitor is not None:
             sick = sqlstate is not None and classify_sqlstate(sqlstate)
             monitor.observe_query(total_us / 1e6, sick)
+
+    def _reclaim_idle_pins(self, now: float) -> None:
+        """Hybrid: pinned clients idle past ``pool.idle_unpin_seconds`` give their
+        server back when their state can be replayed."""
+        for client in list(self.clients):
+            tracker = client.tracker
+            if tracker is None or client.server is None or not tracker.pinned:
+                continue
+            pool = client.pool
+            limit = pool.settings.idle_unpin_seconds if pool is not None else 0
+            if limit and now - client.last_active >= limit:
+                client.reclaim_pinned_server("idle_unpin_seconds")
 
     def _check_health(self) -> None:
         now = self.clock

@@ -105,7 +105,9 @@ class ServerConnection(asyncio.Protocol):
         self.last_used = self.created_at
         self.close_reason = ""
         self.local_addr = ""
-        want = RELAY_WANT if pool.proxy.observatory.enabled else RELAY_WANT[1:]
+        # CommandComplete tags: row counts for observability, COMMIT/ROLLBACK for hybrid.
+        need_tags = pool.proxy.observatory.enabled or pool.settings.mode == "hybrid"
+        want = RELAY_WANT if need_tags else RELAY_WANT[1:]
         self._scanner = MessageScanner(want, pool.max_message_size)
         self._reader: MessageReader | None = None
         self._auth: BackendAuthExchange | None = None
@@ -228,6 +230,13 @@ class ServerConnection(asyncio.Protocol):
                     cut = end
                     continue
                 self.pending -= 1
+                client.answered += 1
+                tracker = client.tracker
+                if tracker is not None and tracker.work:
+                    tracker.settle(
+                        client.answered, self.sqlstate, body[0], self, self.pool.proxy.clock
+                    )
+                    client.pins = tracker.reasons()
                 statements = self.statements
                 statements.segments_done += 1
                 if statements.expect:
@@ -250,7 +259,7 @@ class ServerConnection(asyncio.Protocol):
                         (client.context, text, t_received, t_acquired, t_acquired, t_done,
                          self.last_tag, sqlstate, client.pins)
                     )  # fmt: skip
-                    self.last_tag = b""
+                self.last_tag = b""
             elif kind == _C:
                 self.last_tag = body
             elif kind in (_PARSE_COMPLETE, _CLOSE_COMPLETE):

@@ -230,6 +230,11 @@ class SessionState:
 
     # -- questions ---------------------------------------------------------
 
+    @property
+    def tentative(self) -> bool:
+        """Changes made inside a still-open transaction block await COMMIT or ROLLBACK."""
+        return self._snapshot is not None
+
     def reasons(self) -> tuple[str, ...]:
         """Sorted names of the kinds of state held (``set``, ``temp_table``, ...)."""
         return self._state.reasons()

@@ -1,0 +1,151 @@
+"""Hybrid pooling: follow each client's session state and decide when it pins.
+
+A ``SessionTracker`` per client (transaction and hybrid modes) is fed by the
+relay: every Query text and every Parse text is classified
+(``scry.protocol.classify``, a regex fast path that proves most texts
+stateless without parsing); texts that change session state are queued with
+the ordinal of the ReadyForQuery that will complete them. When that
+ReadyForQuery arrives (``settle``), their effects are applied to the client's
+``SessionState`` only if the statement succeeded, with COMMIT/ROLLBACK
+deciding the fate of changes made inside a transaction block.
+
+* hybrid: a client holding session state is *pinned*: its server is not
+  given back between transactions. State that is only SETs and SQL PREPAREs
+  is *replayable*: after ``pool.idle_unpin_seconds`` of idleness the server
+  is reset and released, and the recorded statements are replayed on the next
+  server before the client's next query.
+* transaction: nothing pins (PgBouncer's behaviour); the first statement that
+  leaves session state is logged once per client, naming the statement kind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from scry.log import event
+from scry.protocol.classify import Effect, classify, classify_bytes
+from scry.protocol.session_state import SessionState
+
+if TYPE_CHECKING:
+    from scry.server import ServerConnection
+
+_TX_IDLE = ord("I")
+
+
+class SessionTracker:
+    """Session state of one client, and what is still to be settled."""
+
+    __slots__ = (
+        "client_id",
+        "pinning",
+        "state",
+        "queued",
+        "work",
+        "pinned_since",
+        "needs_replay",
+        "_parse_effects",
+        "_warned",
+    )
+
+    def __init__(self, client_id: str, pinning: bool) -> None:
+        self.client_id = client_id
+        self.pinning = pinning  # hybrid: pin; transaction: only warn
+        self.state = SessionState()
+        # (ordinal of the completing ReadyForQuery, effects, statement text)
+        self.queued: deque[tuple[int, tuple[Effect, ...], bytes]] = deque()
+        self.work = False  # anything for settle() to do: checked per ReadyForQuery
+        self.pinned_since = 0.0
+        self.needs_replay = False  # server reclaimed: replay before the next query
+        self._parse_effects: tuple[tuple[Effect, ...], bytes] | None = None
+        self._warned = False
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinning and self.state.pinned
+
+    # --- fed by the client relay -------------------------------------------------
+
+    def on_query(self, body: bytes, ordinal: int) -> None:
+        """A Query message, completed by ReadyForQuery number ``ordinal``."""
+        effects = classify_bytes(body)
+        if effects:
+            self.queued.append((ordinal, effects, body))
+            self.work = True
+
+    def on_parse(self, text: bytes) -> None:
+        """A Parse message: its effects land with the next Sync."""
+        effects = classify(text.decode("utf-8", "replace"))
+        self._parse_effects = (effects, text) if effects else None
+
+    def on_sync(self, ordinal: int) -> None:
+        pending = self._parse_effects
+        if pending is not None:
+            self._parse_effects = None
+            self.queued.append((ordinal, pending[0], pending[1]))
+            self.work = True
+
+    # --- fed by the server relay ----------------------------------------------------
+
+    def settle(
+        self,
+        answered: int,
+        sqlstate: str | None,
+        status: int,
+        server: ServerConnection,
+        now: float,
+    ) -> None:
+        """ReadyForQuery number ``answered`` arrived (``status`` is its transaction status)."""
+        state = self.state
+        if state.tentative and status == _TX_IDLE:
+            # A transaction block ended: COMMIT keeps its changes, anything else drops them.
+            if server.last_tag.startswith(b"COMMIT"):
+                state.commit()
+            else:
+                state.rollback()
+        queued = self.queued
+        while queued and queued[0][0] <= answered:
+            ordinal, effects, text = queued.popleft()
+            if ordinal < answered:
+                continue  # its ReadyForQuery was never seen (server lost); stale
+            statement = text.rstrip(b"\x00").decode("utf-8", "replace")
+            if sqlstate is not None:
+                state.apply_failed(effects, statement)
+            else:
+                state.apply(effects, in_transaction=status != _TX_IDLE, statement=statement)
+                self._server_side_effects(effects, server)
+            self._note(statement, now)
+        self.work = bool(queued) or state.tentative
+
+    def _server_side_effects(self, effects: tuple[Effect, ...], server: ServerConnection) -> None:
+        for effect in effects:
+            if effect.op == "unpin_all" or (effect.reason == "prepare" and effect.key is None):
+                # DISCARD ALL / DEALLOCATE ALL also dropped scry's own statements.
+                server.statements.forget_all()
+            if effect.op == "unpin_all":
+                server.applied = {}
+
+    def _note(self, statement: str, now: float) -> None:
+        pinned = self.state.pinned
+        if self.pinning:
+            if pinned and not self.pinned_since:
+                self.pinned_since = now
+            elif not pinned:
+                self.pinned_since = 0.0
+            return
+        if pinned and not self._warned:
+            self._warned = True
+            kinds = ", ".join(self.state.reasons())
+            event("session state in transaction pooling: it may leak to other clients",
+                  logging.WARNING, client=self.client_id, kinds=kinds,
+                  hint="use pool.mode hybrid or session")  # fmt: skip
+            self.state.clear()
+
+    # --- replay -----------------------------------------------------------------------
+
+    def reasons(self) -> tuple[str, ...] | None:
+        return self.state.reasons() if self.pinned else None
+
+    def replay_sql(self) -> str:
+        return ";".join(self.state.replay_statements())
