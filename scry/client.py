@@ -22,6 +22,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
+from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import SessionTracker
 from scry.log import event
 from scry.observe.record import ClientContext
@@ -162,6 +163,7 @@ class ClientConnection(asyncio.Protocol):
         self.cancel_key: tuple[int, int] | None = None
         self.transaction_pooling = True
         self.tracker: SessionTracker | None = None  # transaction and hybrid modes
+        self.parked = False  # holding a server between transactions (see Pool.parked)
         self.ordinal = 0  # ReadyForQuery messages owed to this client, ever
         self.answered = 0  # ReadyForQuery messages it received, ever
         self.last_active = 0.0  # proxy.clock at its last message
@@ -453,6 +455,8 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._note_inflight(texts)
         if out:
+            if self.parked:
+                self._unpark()
             server = self.server
             if server is not None:  # the common case, inlined
                 self.unanswered = None
@@ -466,6 +470,8 @@ class ClientConnection(asyncio.Protocol):
 
     def _forward(self, payload: bytes | list[tuple[int, bytes]], owed: int, size: int) -> None:
         """Send to our server, or queue and ask the pool for one."""
+        if self.parked:
+            self._unpark()
         server = self.server
         if server is not None:
             self.unanswered = None  # more than the first batch: no longer retryable
@@ -696,10 +702,56 @@ class ClientConnection(asyncio.Protocol):
         if tracker is not None and tracker.pinned:
             return  # session state lives on this server: keep it
         self._retried = False
+        pool = self.pool
+        assert pool is not None
+        if not pool.waiters:
+            # Nobody needs it now: keep it (no release/acquire per transaction)
+            # and hand it over as soon as another client asks for one.
+            if not self.parked:
+                self.parked = True
+                pool.parked[self] = None
+            return
         self.server = None
         server.unlink()
-        assert self.pool is not None
-        self.pool.release(server)
+        pool.release(server)
+
+    def detach_idle_server(self) -> ServerConnection | None:
+        """Give up our server while between transactions (the pool wants it)."""
+        server = self.server
+        if (
+            server is None
+            or self.state is not READY
+            or not server.clean
+            or not self._at_boundary()
+            or (self.tracker is not None and self.tracker.pinned)
+        ):
+            return None
+        self.server = None
+        server.unlink()
+        return server
+
+    def drop_parked_server(self, server: ServerConnection) -> None:
+        """Our parked server is going away while idle: forget it, quietly."""
+        if self.server is server:
+            self.server = None
+            server.client = None
+        if self.parked:
+            self.parked = False
+            if self.pool is not None:
+                self.pool.parked.pop(self, None)
+
+    def _unpark(self) -> None:
+        """A parked client starts a new transaction on the server it kept."""
+        self.parked = False
+        pool = self.pool
+        assert pool is not None
+        pool.parked.pop(self, None)
+        if pool.breaker.state is not BREAKER_CLOSED:
+            # New transactions must pass the breaker: give the server back and
+            # take the ordinary path, which asks it.
+            server = self.detach_idle_server()
+            if server is not None:
+                pool.release(server)
 
     def on_parameter_status(self, server: ServerConnection, name: str, value: str) -> None:
         """The client (or our SET) changed a setting: remember it for the next server."""
@@ -809,6 +861,9 @@ class ClientConnection(asyncio.Protocol):
         pool = self.pool
         if pool is not None and self.waiting_since:
             pool.cancel_wait(self)
+        if pool is not None and self.parked:
+            self.parked = False
+            pool.parked.pop(self, None)
         server = self.server
         self.server = None
         if server is not None and pool is not None:

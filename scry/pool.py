@@ -63,6 +63,9 @@ class Pool:
         self.servers: set[ServerConnection] = set()  # every logged-in server
         self.connecting = 0
         self.waiters: deque[ClientConnection] = deque()
+        # Clients between transactions that still hold their server because
+        # nobody else needed it; the server is taken from them on demand.
+        self.parked: dict[ClientConnection, None] = {}
         self.welcome: dict[str, str] | None = None  # ParameterStatus set for new clients
         self._welcome_future: asyncio.Future[None] | None = None
         self.last_error: Exception | None = None
@@ -89,8 +92,8 @@ class Pool:
 
     @property
     def active_count(self) -> int:
-        """Servers out of the idle list: serving a client or running a reset."""
-        return len(self.servers) - len(self.idle)
+        """Servers running something (not idle, not held by a parked client)."""
+        return len(self.servers) - len(self.idle) - len(self.parked)
 
     # --- handing out servers -------------------------------------------------
 
@@ -100,6 +103,24 @@ class Pool:
         while idle:
             server = idle.pop()  # most recently used first: its caches are warm
             if server.state is IDLE:
+                return server
+        if self.parked:
+            server = self._take_parked()
+            if server is not None:
+                if len(self.servers) + self.connecting < self.size:
+                    self._spawn()  # room to grow: the parked client will want one back
+                return server
+        return None
+
+    def _take_parked(self) -> ServerConnection | None:
+        """Take the server of the longest-parked client, if it is still between transactions."""
+        parked = self.parked
+        while parked:
+            client = next(iter(parked))
+            del parked[client]
+            client.parked = False
+            server = client.detach_idle_server()
+            if server is not None:
                 return server
         return None
 
@@ -301,6 +322,13 @@ class Pool:
         """Janitor pass: retire old or long-idle servers, keep ``min_size`` open."""
         timeouts = self.proxy.config.timeouts
         keep = self.settings.min_size
+        for client in list(self.parked):
+            server = client.server
+            if server is not None and (self._expired(server, now) or self.stale):
+                del self.parked[client]
+                client.parked = False
+                if client.detach_idle_server() is server:
+                    server.close("server_lifetime" if not self.stale else "config changed")
         for server in list(self.servers):
             if self._expired(server, now) and server not in self.idle:
                 server.retire = True  # closed when its client gives it back

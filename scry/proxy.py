@@ -100,7 +100,7 @@ class Proxy:
         while True:
             # Clients without a server hold nothing: let them go now.
             for client in list(self.clients):
-                if client.server is None:
+                if client.server is None or client.parked:
                     client.fatal("57P01", "scry is shutting down")
             if not self.clients:
                 break

@@ -197,7 +197,10 @@ class ServerConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         state = self.state
         if state is ACTIVE:
-            self._relay(data)
+            if self.pending <= 0 and not self.swallow and self.client.parked:  # type: ignore[union-attr]
+                self._parked_data(data)
+            else:
+                self._relay(data)
         elif state is LOGIN:
             try:
                 self._login_data(data)
@@ -299,6 +302,25 @@ class ServerConnection(asyncio.Protocol):
             client.transport.write(out)
         if release and self._scanner.at_boundary:
             client.on_server_ready(self)
+
+    def _parked_data(self, data: bytes) -> None:
+        # Nothing was asked: to the client this server is as good as idle in
+        # the pool. An error here (the backend is being terminated) costs the
+        # client nothing; it simply gets another server next time.
+        client = self.client
+        assert client is not None
+        try:
+            _, events = self._scanner.feed(data)
+        except ProtocolViolation:
+            events = [(_E, 0, b"")]
+        for kind, _end, body in events:
+            if kind == _E:
+                client.drop_parked_server(self)
+                self.close(f"server error while idle: {m.parse_fields(body).get('M', '')}")
+                return
+            if kind == _S:
+                name, value = m.parse_parameter_status(body)
+                self.params[name] = value
 
     def _idle_data(self, data: bytes) -> None:
         # An idle backend may still send asynchronous messages (NOTICE on
@@ -434,6 +456,11 @@ class ServerConnection(asyncio.Protocol):
             done, self._internal_done = self._internal_done, None
             self.close(reason)
             done(False)
+            return
+        client = self.client
+        if client is not None and client.parked and self.pending <= 0:
+            client.drop_parked_server(self)
+            self.close(reason)
             return
         self._broken(reason)
 
