@@ -189,8 +189,8 @@ class ClientConnection(asyncio.Protocol):
         self.statements: ClientStatements | None = None
         self._queued_bytes = 0
         self._syncs_since_execute = 0
-        self.waiting_since = 0.0
-        self._wait_timer: asyncio.TimerHandle | None = None
+        self.waiting_since = 0  # perf_counter_ns() when it joined the pool's queue; 0 = not
+
         self._login_timer: asyncio.TimerHandle | None = None
         self._paused_waiting = False
         self._paused_by_server = False
@@ -623,10 +623,8 @@ class ClientConnection(asyncio.Protocol):
         if server is not None:
             self._link(server)
             return
-        self.waiting_since = time.monotonic()
-        timeout = self.proxy.config.timeouts.query_wait_timeout
-        if timeout:
-            self._wait_timer = asyncio.get_running_loop().call_later(timeout, self._wait_timed_out)
+        # No timer per wait: the janitor enforces query_wait_timeout on the queue.
+        self.waiting_since = perf_counter_ns()
         pool.wait(self)
 
     def _reject_queued(self, sqlstate: str, text: str) -> None:
@@ -647,14 +645,11 @@ class ClientConnection(asyncio.Protocol):
             return False
         pool = self.pool
         assert pool is not None
-        if self._wait_timer is not None:
-            self._wait_timer.cancel()
-            self._wait_timer = None
-        waited = time.monotonic() - self.waiting_since
-        pool.total_wait_us += int(waited * 1e6)
-        pool.observe_wait(waited)
-        self.waiting_since = 0.0
-        self.t_acquired = perf_counter_ns()
+        now = perf_counter_ns()
+        pool.total_wait_us += (now - self.waiting_since) // 1000
+        pool.waits += 1
+        self.waiting_since = 0
+        self.t_acquired = now
         self._link(server)
         if self._paused_waiting:
             self._paused_waiting = False
@@ -788,16 +783,15 @@ class ClientConnection(asyncio.Protocol):
 
     def fail_waiting(self, sqlstate: str, text: str) -> None:
         """The pool cannot open a server for us: fail instead of hanging."""
-        self.waiting_since = 0.0
+        self.waiting_since = 0
         self.fatal(sqlstate, text)
 
-    def _wait_timed_out(self) -> None:
-        self._wait_timer = None
+    def wait_timed_out(self) -> None:
+        """query_wait_timeout: the pool (already rid of us) could not serve us in time."""
         pool = self.pool
         assert pool is not None
-        pool.cancel_wait(self)
-        waited = time.monotonic() - self.waiting_since
-        self.waiting_since = 0.0
+        waited = (perf_counter_ns() - self.waiting_since) / 1e9
+        self.waiting_since = 0
         event("query_wait_timeout", logging.WARNING, client=self.id, pool=pool.name,
               waited_s=round(waited, 3))  # fmt: skip
         self.fatal(
@@ -855,9 +849,8 @@ class ClientConnection(asyncio.Protocol):
         # load balancer's health check) is not worth a log line.
         quiet = quiet or (self.state is STARTUP and not self.user and not self._startup_buf)
         self.state = CLOSED
-        for timer in (self._wait_timer, self._login_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._login_timer is not None:
+            self._login_timer.cancel()
         pool = self.pool
         if pool is not None and self.waiting_since:
             pool.cancel_wait(self)

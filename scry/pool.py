@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
+from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 from scry.config import DatabaseTarget, PoolConfig
@@ -78,6 +78,9 @@ class Pool:
         self.setting_spellings: dict[tuple[str, str], str] = {}
         # Counters for SHOW/admin views.
         self.total_wait_us = 0
+        self.waits = 0  # clients that had to queue for a server
+        self._waits_seen = 0
+        self._wait_us_seen = 0
         self.max_wait_started: float | None = None
         self.servers_opened = 0
         self.servers_closed = 0
@@ -256,12 +259,27 @@ class Pool:
             fut.exception()  # mark retrieved; each waiter re-raises its own copy
         self._welcome_future = None
 
-    def observe_wait(self, waited: float) -> None:
-        """A waiting client got a server after ``waited`` seconds (the slow path only)."""
-        self.health.observe_pool(waited, self.active_count / self.size, len(self.waiters))
+    def mean_wait_since_last_call(self) -> float | None:
+        """Mean queueing time (s) of the clients served since the previous call."""
+        waits = self.waits - self._waits_seen
+        if not waits:
+            return None
+        mean = (self.total_wait_us - self._wait_us_seen) / waits / 1e6
+        self._waits_seen, self._wait_us_seen = self.waits, self.total_wait_us
+        return mean
 
-    def oldest_wait(self, now: float) -> float:
-        return now - self.waiters[0].waiting_since if self.waiters else 0.0
+    def oldest_wait(self) -> float:
+        """Seconds the longest-waiting client has been queued (0 if none)."""
+        return (perf_counter_ns() - self.waiters[0].waiting_since) / 1e9 if self.waiters else 0.0
+
+    def expire_waiters(self, timeout: float) -> None:
+        """query_wait_timeout, checked by the janitor: the queue is FIFO, oldest first."""
+        if not timeout or not self.waiters:
+            return
+        deadline = perf_counter_ns() - int(timeout * 1e9)
+        waiters = self.waiters
+        while waiters and waiters[0].waiting_since <= deadline:
+            waiters.popleft().wait_timed_out()
 
     async def check_settings(self, settings: dict[str, str]) -> dict[str, str]:
         """PostgreSQL's spelling of reported startup settings, learned once per value.
@@ -359,13 +377,17 @@ class _Borrower:
 
     def __init__(self, future: asyncio.Future[ServerConnection]) -> None:
         self.future = future
-        self.waiting_since = time.monotonic()
+        self.waiting_since = perf_counter_ns()
 
     def attach(self, server: ServerConnection) -> bool:
         if self.future.done():
             return False
         self.future.set_result(server)
         return True
+
+    def wait_timed_out(self) -> None:
+        if not self.future.done():
+            self.future.set_exception(TimeoutError("query_wait_timeout"))
 
     def fail_waiting(self, sqlstate: str, text: str) -> None:
         if not self.future.done():

@@ -154,7 +154,9 @@ class Proxy:
         while True:
             await asyncio.sleep(JANITOR_INTERVAL)
             now = self.clock = time.monotonic()
+            wait_timeout = self.config.timeouts.query_wait_timeout
             for pool in list(self.pools.values()):
+                pool.expire_waiters(wait_timeout)
                 pool.maintain(now)
             self._check_health()
             self._reclaim_idle_pins(now)
@@ -210,12 +212,13 @@ class Proxy:
                 client.reclaim_pinned_server("idle_unpin_seconds")
 
     def _check_health(self) -> None:
-        now = self.clock
         for pool in self.pools.values():
             waiting = len(pool.waiters)
-            pool.health.observe_pool_state(
-                pool.active_count / pool.size, waiting, pool.oldest_wait(now)
-            )
+            saturation = pool.active_count / pool.size
+            mean_wait = pool.mean_wait_since_last_call()
+            if mean_wait is not None:
+                pool.health.observe_pool(mean_wait, saturation, waiting)
+            pool.health.observe_pool_state(saturation, waiting, pool.oldest_wait())
         for name, breaker in self.breakers.items():
             breaker.tick()
             monitor = self.health.get(name)

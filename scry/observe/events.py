@@ -102,6 +102,14 @@ class EventRing:
         self._events.append(event)
         self.pushed += 1
 
+    def extend(self, events: list[tuple[Any, ...]]) -> None:
+        """``push`` each of ``events``, in order."""
+        over = len(self._events) + len(events) - self.capacity
+        if over > 0:
+            self.dropped += over
+        self._events.extend(events)
+        self.pushed += len(events)
+
     def take(self, limit: int) -> list[tuple[Any, ...]]:
         """Remove and return up to ``limit`` of the oldest events."""
         events = self._events

@@ -2,6 +2,16 @@
 
 Three levels, cheapest first:
 
+0. *variant key* -> ``Variant`` (``resolve``, the pipeline's per-record
+   path): the text with every digit turned into ``0`` (one ``bytes.translate``,
+   far cheaper than any regex pass). Texts that differ only in the digits of
+   their literals share it, and because the cheap lexer's token boundaries
+   depend on which bytes are digits, never on which digits, they also share
+   their literal positions: a ``Variant`` carries the shape and the byte
+   spans of its hot lookup values, so the drain slices values out without
+   lexing. Digits outside literals (``t1``, ``int8``) are checked by value.
+   Texts that need the full lexer (comments, quoted identifiers, dollar
+   quotes, backslashes) are not kept here;
 1. exact text -> ``Shape`` (a dict hit; only literal-free texts are kept,
    such as prepared statements with ``$n`` parameters and constant queries,
    because texts carrying values rarely repeat);
@@ -29,7 +39,14 @@ from pglast import ast
 from pglast.parser import ParseError
 
 from scry.observe.anonymize import Anonymizer
-from scry.observe.lexer import PLACEHOLDER, canonical, render, shape_of, tables_by_lexer
+from scry.observe.lexer import (
+    PLACEHOLDER,
+    canonical,
+    literal_spans,
+    render,
+    shape_of,
+    tables_by_lexer,
+)
 
 
 class Shape:
@@ -61,20 +78,87 @@ class Shape:
         self.lookup_columns = lookup_columns
 
 
+#: ``bytes.translate`` table of the variant key: every digit becomes ``0``.
+DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+
+#: What the drain needs of one text: (shape, value spans, digit checks).
+#:
+#: value spans
+#:     ``(prefix, start, end)`` per hot lookup value: the sketch key of the
+#:     value is ``prefix + text[start:end]`` (prefix = ``b"table.column\0"``,
+#:     string quotes outside the span). A value that has no fixed position
+#:     (a per-text variant) is carried whole in ``prefix`` with an empty span.
+#: digit checks
+#:     None, or ``(start, end, digits)`` for each run of digits outside the
+#:     literals: a text with this variant key is this variant only if
+#:     ``text[start:end] == digits`` (``t1`` and ``t2`` share a key).
+Variant = tuple[
+    Shape, tuple[tuple[bytes, int, int], ...], tuple[tuple[int, int, bytes], ...] | None
+]
+
+_MAX_VARIANT_LEN = 4096
+_MAX_VARIANTS_PER_SHAPE = 256  # beyond: values in the text itself (strings), not worth keeping
+_DIGIT_RUN = re.compile(rb"[0-9]+")
+
+
 class Fingerprinter:
     """Text -> ``Shape`` with bounded caches; ``lookup`` also returns the
-    literal tokens of this very text (for hot-value sketches)."""
+    literal tokens of this very text (for hot-value sketches), ``resolve``
+    the positions of its hot lookup values."""
 
     def __init__(
-        self, anonymizer: Anonymizer | None, max_shapes: int = 20_000, max_texts: int = 10_000
+        self,
+        anonymizer: Anonymizer | None,
+        max_shapes: int = 20_000,
+        max_texts: int = 10_000,
+        max_variants: int = 20_000,
     ) -> None:
         self._anonymizer = anonymizer
         self._shapes: dict[bytes | str, Shape] = {}
         self._texts: dict[bytes, Shape] = {}
         self._max_shapes = max_shapes
         self._max_texts = max_texts
+        #: Variant key -> Variant. The pipeline reads it directly (``.get``),
+        #: so it is only ever cleared, never replaced.
+        self.variants: dict[bytes, Variant] = {}
+        self._variants_per_shape: dict[Shape, int] = {}
+        self._max_variants = max_variants
         #: How many texts went through PostgreSQL's parser (new shapes).
         self.parses = 0
+
+    def resolve(self, text: bytes) -> Variant:
+        """The variant of a text that missed ``variants`` (or failed its
+        digit checks); keeps it when it can be shared by other texts.
+
+        ``text`` is the statement as the proxy recorded it: a trailing NUL
+        (a Query body's terminator) is ignored.
+        """
+        raw = text[:-1] if text[-1:] == b"\x00" else text
+        shape, literals, collapsed = self.lookup(raw)
+        variants = self.variants
+        if len(text) <= _MAX_VARIANT_LEN:
+            key = text.translate(DIGITS_TO_ZERO)
+            per_shape = self._variants_per_shape.get(shape, 0)
+            if key not in variants and per_shape < _MAX_VARIANTS_PER_SHAPE:
+                spans = literal_spans(raw)
+                if spans is not None:
+                    variant = (
+                        shape,
+                        _value_spans(shape, raw, spans, collapsed),
+                        _digit_checks(raw, spans),
+                    )
+                    if len(variants) >= self._max_variants:
+                        variants.clear()
+                        self._variants_per_shape.clear()
+                        per_shape = 0
+                    variants[key] = variant
+                    self._variants_per_shape[shape] = per_shape + 1
+                    return variant
+        keys = tuple(
+            (value_key(column, literal), 0, 0)
+            for column, literal in lookup_values(shape, raw, literals, collapsed)
+        )
+        return shape, keys, None
 
     def lookup(self, text: bytes) -> tuple[Shape, list[Any], bool]:
         """(shape, literal tokens in order, whether a literal list was collapsed)."""
@@ -177,6 +261,69 @@ def lookup_values(
         else:
             found.extend((label, v) for v in _LIT_B.findall(m.group(4)))
     return found
+
+
+def value_key(column: str, literal: bytes | str) -> bytes:
+    """The sketch key of one lookup value: ``table.column``, NUL, the literal
+    token without its string quotes. Only ever hashed, never kept."""
+    if literal.__class__ is str:
+        literal = literal.encode("utf-8", "surrogatepass")  # type: ignore[union-attr]
+    if literal[:1] == b"'":
+        literal = literal[1:-1]
+    return column.encode("utf-8", "surrogatepass") + b"\0" + literal  # type: ignore[operator]
+
+
+def _value_span(column: str, text: bytes, start: int, end: int) -> tuple[bytes, int, int]:
+    if text[start : start + 1] == b"'":
+        start, end = start + 1, end - 1
+    return column.encode("utf-8", "surrogatepass") + b"\0", start, end
+
+
+def _value_spans(
+    shape: Shape, text: bytes, spans: list[tuple[int, int]], collapsed: bool
+) -> tuple[tuple[bytes, int, int], ...]:
+    """``lookup_values`` as positions: the same values, for every text of the variant."""
+    if not shape.lookup_columns or not spans:
+        return ()
+    if shape.eq_lookups and not collapsed:
+        n = len(spans)
+        return tuple(
+            _value_span(label, text, *spans[i])
+            for i, label in shape.eq_lookups
+            if i < n and text[spans[i][0] : spans[i][0] + 1] != b"$"
+        )
+    found: list[tuple[bytes, int, int]] = []
+    columns = shape.lookup_columns
+    for m in _LOOKUP_B.finditer(text):
+        qualifier = m.group(1).decode().lower() if m.group(1) else None
+        label = columns.get((qualifier, m.group(2).decode().lower()))
+        if label is None:
+            continue
+        if m.group(3) is not None:
+            found.append(_value_span(label, text, *m.span(3)))
+        else:
+            found.extend(
+                _value_span(label, text, *v.span()) for v in _LIT_B.finditer(text, *m.span(4))
+            )
+    return tuple(found)
+
+
+def _digit_checks(
+    text: bytes, spans: list[tuple[int, int]]
+) -> tuple[tuple[int, int, bytes], ...] | None:
+    """Runs of digits outside the literals: (start, end, digits)."""
+    if not spans:
+        blanked = text
+    else:
+        parts, pos = [], 0
+        for start, end in spans:
+            parts.append(text[pos:start])
+            parts.append(b" " * (end - start))
+            pos = end
+        parts.append(text[pos:])
+        blanked = b"".join(parts)
+    checks = tuple((m.start(), m.end(), m.group()) for m in _DIGIT_RUN.finditer(blanked))
+    return checks or None
 
 
 _IDENT = r'(?:"(?:[^"]|"")+"|[a-z_][\w$]*)'

@@ -74,6 +74,16 @@ def shape_of(text: bytes) -> tuple[bytes | str, list[bytes] | list[str], bool]:
     return _slow_shape(text.decode("utf-8", "replace"))
 
 
+def literal_spans(text: bytes) -> list[tuple[int, int]] | None:
+    """(start, end) of each literal token ``shape_of`` finds in ``text``, or
+    None when the text needs the full lexer (comments, quoted identifiers,
+    backslashes, dollar quotes): its tokens then depend on more than which
+    bytes are digits."""
+    if _MAYBE_SPECIAL.search(text) is not None and _needs_full_lexer(text):
+        return None
+    return [m.span() for m in _FAST_LITERAL.finditer(text)]
+
+
 def _needs_full_lexer(text: bytes) -> bool:
     return (
         b'"' in text

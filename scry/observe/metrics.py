@@ -1,9 +1,10 @@
 """Prometheus metrics in a registry of scry's own (never the global one).
 
-Per-query timings are counted into plain integer arrays by ``observe_query``
-(a bisect and a few additions, off the hot path in the pipeline's drain) and
-turned into histogram families only when Prometheus scrapes, so each query
-costs no prometheus-client locking. Latency is labelled by database, never by
+Per-query timings are counted into plain integer arrays, a drain's worth at
+a time (``observe_database`` and ``observe_phases`` take sorted durations and
+count each bucket with one bisect; ``observe_query`` counts one statement),
+and turned into histogram families only when Prometheus scrapes, so queries
+cost no prometheus-client locking. Latency is labelled by database, never by
 fingerprint (unbounded label sets would blow up the time-series database).
 
 Objects for the proxy to update directly:
@@ -38,6 +39,9 @@ BOUNDS_US = (
     100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
 )  # fmt: skip
 _LE = [f"{b / 1e6:g}" for b in BOUNDS_US] + ["+Inf"]
+# A duration of d ns counts as d // 1000 µs: it is above bound b µs (in a later
+# bucket) exactly when d >= (b + 1) * 1000.
+_EDGES_NS = tuple((b + 1) * 1000 for b in BOUNDS_US)
 
 PoolStatsProvider = Callable[[], Iterable[dict[str, Any]]]
 
@@ -45,15 +49,35 @@ PoolStatsProvider = Callable[[], Iterable[dict[str, Any]]]
 class _Timing:
     """Bucket counts and sum for one histogram series."""
 
-    __slots__ = ("counts", "sum_us")
+    __slots__ = ("counts", "sum_ns")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(BOUNDS_US) + 1)
-        self.sum_us = 0
+        self.sum_ns = 0
 
     def add(self, value_us: int) -> None:
         self.counts[bisect_left(BOUNDS_US, value_us)] += 1
-        self.sum_us += value_us
+        self.sum_ns += value_us * 1000
+
+    def add_ns(self, values: list[int], sum_ns: int) -> None:
+        """Count durations in ns (``sum_ns`` is their sum); sorts ``values``."""
+        counts = self.counts
+        n = len(values)
+        if not n:
+            return
+        if max(values) < _EDGES_NS[0]:
+            counts[0] += n  # the common case for queue and acquire times
+        else:
+            values.sort()
+            done = 0
+            for i, edge in enumerate(_EDGES_NS):
+                if done == n:
+                    break
+                upto = bisect_left(values, edge, done)
+                counts[i] += upto - done
+                done = upto
+            counts[-1] += n - done
+        self.sum_ns += sum_ns
 
     def buckets(self) -> list[tuple[str, int]]:
         out, running = [], 0
@@ -126,23 +150,48 @@ class ObserveMetrics:
             entry = self._by_database[database] = (_Timing(), [0, 0])
         # _Timing.add, inlined: this runs once per statement.
         timing, tally = entry
-        timing.counts[bisect_left(BOUNDS_US, total_us)] += 1
-        timing.sum_us += total_us
+        timing.add(total_us)
         tally[0] += 1
         if error:
             tally[1] += 1
-        timing = self._queue
-        timing.counts[bisect_left(BOUNDS_US, queue_us)] += 1
-        timing.sum_us += queue_us
-        timing = self._acquire
-        timing.counts[bisect_left(BOUNDS_US, acquire_us)] += 1
-        timing.sum_us += acquire_us
-        timing = self._backend
-        timing.counts[bisect_left(BOUNDS_US, backend_us)] += 1
-        timing.sum_us += backend_us
+        self._queue.add(queue_us)
+        self._acquire.add(acquire_us)
+        self._backend.add(backend_us)
         if pins:
             for reason in pins:
-                self._pinned_queries[reason] = self._pinned_queries.get(reason, 0) + 1
+                self.add_pinned(reason, 1)
+
+    def observe_database(
+        self, database: str, errors: int, totals_ns: list[int], sum_ns: int
+    ) -> None:
+        """Count many statements of one database at once: ``totals_ns`` are
+        their latencies in ns (sorted in place), ``sum_ns`` their sum."""
+        entry = self._by_database.get(database)
+        if entry is None:
+            entry = self._by_database[database] = (_Timing(), [0, 0])
+        timing, tally = entry
+        timing.add_ns(totals_ns, sum_ns)
+        tally[0] += len(totals_ns)
+        tally[1] += errors
+
+    def observe_phases(
+        self,
+        queue_ns: list[int],
+        acquire_ns: list[int],
+        backend_ns: list[int],
+        acquire_zeros: int = 0,
+    ) -> None:
+        """Count the queue, pool-acquire and backend times (ns; the lists are
+        sorted in place) of many statements at once, plus ``acquire_zeros``
+        acquire times of 0."""
+        self._queue.add_ns(queue_ns, sum(queue_ns))
+        self._acquire.add_ns(acquire_ns, sum(acquire_ns))
+        self._acquire.counts[0] += acquire_zeros
+        self._backend.add_ns(backend_ns, sum(backend_ns))
+
+    def add_pinned(self, reason: str, count: int) -> None:
+        """Count statements run while pinned for ``reason``."""
+        self._pinned_queries[reason] = self._pinned_queries.get(reason, 0) + count
 
     def set_pool_stats_provider(self, provider: PoolStatsProvider | None) -> None:
         """Install the callable that reports pool saturation at scrape time."""
@@ -170,11 +219,11 @@ class ObserveMetrics:
             "scry_query_errors", "Statements that ended in an error.", labels=["database"]
         )
         for database, (timing, (n, n_err)) in sorted(self._by_database.items()):
-            per_db.add_metric([database], timing.buckets(), timing.sum_us / 1e6)
+            per_db.add_metric([database], timing.buckets(), timing.sum_ns / 1e9)
             queries.add_metric([database], n)
             errors.add_metric([database], n_err)
             overall.counts = [a + b for a, b in zip(overall.counts, timing.counts, strict=True)]
-            overall.sum_us += timing.sum_us
+            overall.sum_ns += timing.sum_ns
         yield from (per_db, queries, errors)
         for name, doc, timing in (
             ("scry_query_duration_seconds", "Statement latency, all databases.", overall),
@@ -183,7 +232,7 @@ class ObserveMetrics:
             ("scry_query_backend_seconds", "Time spent in PostgreSQL.", self._backend),
         ):
             family = HistogramMetricFamily(name, doc)
-            family.add_metric([], timing.buckets(), timing.sum_us / 1e6)
+            family.add_metric([], timing.buckets(), timing.sum_ns / 1e9)
             yield family
         pinned = CounterMetricFamily(
             "scry_pinned_queries", "Statements run while pinned, by reason.", labels=["reason"]

@@ -3,15 +3,27 @@
 The proxy calls exactly one thing per statement, ``observatory.record(rec)``
 (a bounded deque append; see ``scry.observe.record`` for the tuple). A
 background task drains the deque every ``drain_interval`` seconds, in chunks
-so one drain never holds the event loop long, and for each record:
+so one drain never holds the event loop long. The drain shares the proxy's
+CPU, so it works per *chunk*, not per record:
 
-1. fingerprints the text (cached: ``fingerprint.Fingerprinter``);
-2. updates per-fingerprint statistics (``stats.StatsTable``);
-3. counts tables and lookup values in the hot-data sketches (``sketch``);
-4. counts Prometheus timings (``metrics.ObserveMetrics``);
-5. builds the event, when a sink or a live-tail subscriber wants events,
-   and pushes it to the ring buffer (shipped by ``sinks.EventShipper``) and
-   to the subscribers.
+1. per record, only: the text's variant (``fingerprint.Fingerprinter``:
+   digits zeroed, one dict hit, giving the shape and where its hot lookup
+   values sit), appending the record to its shape's group, and counting its
+   lookup values (raw bytes, in a dict local to the drain);
+2. per shape group: the timings, rows and errors summed with builtins over
+   the group (``map``/``sum``/``sorted``), the latency histogram counted with
+   one bisect per bucket, and one ``stats.StatsTable.add_group``;
+3. per database and per drain: the Prometheus histograms
+   (``metrics.ObserveMetrics``), one bisect per bucket;
+4. per distinct lookup value: one keyed hash into the hot-value sketch
+   (``sketch.HotData.add_values``); the raw values die with the drain;
+5. per record again only when someone listens: the proxy's query listeners,
+   and the events, when a sink or a live-tail subscriber wants them, pushed
+   to the ring buffer (shipped by ``sinks.EventShipper``) and to the
+   subscribers, in record order.
+
+A record that cannot be processed (a bug) is counted in ``record_failures``;
+the rest of its chunk is processed as usual.
 
 With ``anonymize`` on (the default), nothing that leaves the process carries
 a value a client sent: events and ``top`` show the normalized text (literals
@@ -28,12 +40,14 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from operator import attrgetter, itemgetter, sub
 from typing import Any
 
 from scry.config import ObservabilityConfig
 from scry.observe.anonymize import Anonymizer
 from scry.observe.events import EventRing, Subscription, event_dict, make_predicate
-from scry.observe.fingerprint import Fingerprinter, lookup_values
+from scry.observe.fingerprint import DIGITS_TO_ZERO, Fingerprinter, Shape
+from scry.observe.histogram import add_sorted_ns
 from scry.observe.metrics import ObserveMetrics
 from scry.observe.record import QueryRecord
 from scry.observe.sinks import EventShipper, Sink, make_sink
@@ -102,6 +116,7 @@ class Observatory:
         # Records carry perf_counter_ns readings; this turns them into wall time.
         self._wall_offset = clock() - perf_counter_ns() / 1e9
         self._task: asyncio.Task[None] | None = None
+        self._tag_rows = _TagRows()
         #: Records lost because the drain fell behind by max_records.
         self.records_dropped = 0
         #: Records that raised while being processed (a bug, but never fatal).
@@ -160,87 +175,219 @@ class Observatory:
         n = len(records) if limit is None else min(limit, len(records))
         if n == 0:
             return 0
-        lookup = self.fingerprinter.lookup
-        add_stats = self.stats.add
-        hot = self.hot_data
-        observe_query = self.metrics.observe_query
-        offset = self._wall_offset
-        want_events = self._ship_events or bool(self._subscribers)
-        popleft = records.popleft
-        listeners = self.query_listeners
-        shapes_seen: dict[Any, int] = {}  # tables are counted once per shape per drain
-        for _ in range(n):
-            rec = popleft()
-            try:
-                ctx, text, t_received, t_acquired, t_sent, t_done, rows, sqlstate, pins = rec
-                if text[-1:] == b"\x00":  # a Query body keeps its terminator
-                    text = text[:-1]
-                if rows.__class__ is bytes:  # the CommandComplete tag, parsed here
-                    rows = parse_command_rows(rows)
-                shape, literals, collapsed = lookup(text)
-                total_us = (t_done - t_received) // 1000
-                queue_us = (t_acquired - t_received) // 1000
-                acquire_us = (t_sent - t_acquired) // 1000
-                backend_us = (t_done - t_sent) // 1000
-                ts = t_done / 1e9 + offset
-                error = sqlstate is not None
-                add_stats(
-                    shape.fingerprint,
-                    shape.normalized,
-                    ts,
-                    total_us,
-                    queue_us,
-                    backend_us,
-                    rows,
-                    error,
-                )
-                if shape.tables:
-                    shapes_seen[shape] = shapes_seen.get(shape, 0) + 1
-                if literals and shape.lookup_columns:
-                    for column, literal in lookup_values(shape, text, literals, collapsed):
-                        hot.add_value(column, literal)
-                observe_query(ctx.database, total_us, queue_us, acquire_us, backend_us, error, pins)
-                for listener in listeners:
-                    listener(ctx.database, total_us, sqlstate)
-                if want_events:
-                    self._publish(
-                        (
-                            ts,
-                            ctx.worker,
-                            ctx.client_id,
-                            ctx.database,
-                            ctx.user,
-                            ctx.application_name,
-                            shape.fingerprint,
-                            shape.normalized if self.anonymize else text.decode("utf-8", "replace"),
-                            queue_us,
-                            acquire_us,
-                            backend_us,
-                            total_us,
-                            rows,
-                            sqlstate,
-                            pins is not None,
-                            pins or (),
-                        )
-                    )
-            except Exception:
-                self.record_failures += 1
+        if n == len(records):
+            batch = list(records)
+            records.clear()
+        else:
+            popleft = records.popleft
+            batch = [popleft() for _ in range(n)]
+        try:
+            summary = self._summarize(batch)
+        except Exception:
+            summary = self._summarize_carefully(batch)
+        try:
+            self._apply(summary)
+        except Exception:  # a bug; never fatal
+            self.record_failures += n
         self.records_processed += n
-        for shape, count in shapes_seen.items():
-            for table in shape.tables:
-                hot.add_table(table, count)
-        hot.maybe_decay()
+        self.hot_data.maybe_decay()
         if self._ship_events:
             self.shipper.notify()
         return n
 
-    def _publish(self, event: tuple[Any, ...]) -> None:
-        if self._ship_events:
-            self.ring.push(event)
-        if self._subscribers:
-            as_dict = event_dict(event)
-            for subscription in self._subscribers:
-                subscription.offer(as_dict)
+    def _summarize_carefully(self, batch: list[QueryRecord]) -> _Summary:
+        """``_summarize`` after setting aside the records it fails on."""
+        good = []
+        for rec in batch:
+            try:
+                self._summarize([rec])
+            except Exception:
+                self.record_failures += 1
+            else:
+                good.append(rec)
+        return self._summarize(good)
+
+    def _summarize(self, batch: list[QueryRecord]) -> _Summary:
+        """Everything one chunk of records adds up to. Changes nothing but
+        caches, so a chunk that fails here can be summarized again."""
+        fingerprinter = self.fingerprinter
+        variant_of = fingerprinter.variants.get
+        resolve = fingerprinter.resolve
+        zero = DIGITS_TO_ZERO
+        groups: dict[Shape, list[QueryRecord]] = {}
+        group_of = groups.get
+        values: dict[bytes, int] = {}
+        count_of = values.get
+        want_events = self._ship_events or bool(self._subscribers)
+        shapes: list[Shape] = []
+        for rec in batch:
+            text = rec[1]
+            variant = variant_of(text.translate(zero))
+            if variant is None:
+                variant = resolve(text)
+            shape, spans, checks = variant
+            if checks is not None:
+                for start, end, digits in checks:
+                    if text[start:end] != digits:
+                        shape, spans, _ = resolve(text)
+                        break
+            group = group_of(shape)
+            if group is None:
+                groups[shape] = [rec]
+            else:
+                group.append(rec)
+            if spans:
+                for prefix, start, end in spans:
+                    key = prefix + text[start:end]
+                    values[key] = count_of(key, 0) + 1
+            if want_events:
+                shapes.append(shape)
+        summary = _Summary(values, bool(self.query_listeners))
+        for shape, recs in groups.items():
+            self._summarize_group(summary, shape, recs)
+        if want_events:
+            summary.events = self._events(batch, shapes)
+        return summary
+
+    def _summarize_group(self, summary: _Summary, shape: Shape, recs: list[QueryRecord]) -> None:
+        n = len(recs)
+        received = list(map(_RECEIVED, recs))
+        done = list(map(_DONE, recs))
+        offset = self._wall_offset
+        first = min(done) / 1e9 + offset
+        last = max(done) / 1e9 + offset
+        slot_seconds = self.stats.slot_seconds
+        if int(first) // slot_seconds != int(last) // slot_seconds:
+            # Across a stats slot boundary (once per slot): one group per slot.
+            by_slot: dict[int, list[QueryRecord]] = {}
+            for rec, t in zip(recs, done, strict=True):
+                by_slot.setdefault(int(t / 1e9 + offset) // slot_seconds, []).append(rec)
+            if len(by_slot) > 1:
+                for part in by_slot.values():
+                    self._summarize_group(summary, shape, part)
+                return
+        acquired = list(map(_ACQUIRED, recs))
+        sent = list(map(_SENT, recs))
+        totals = list(map(sub, done, received))
+        queues = list(map(sub, acquired, received))
+        backends = list(map(sub, done, sent))
+        sqlstates = list(map(_SQLSTATE, recs))
+        errors = n - sqlstates.count(None)
+        rows = sum(map(self._tag_rows.__getitem__, map(_ROWS, recs)))
+        pins = list(map(_PINS, recs))
+        databases = list(map(_DATABASE, map(_CONTEXT, recs)))
+        ordered = sorted(totals)
+        total_sum = sum(totals)
+        if ordered[0] < 0 or ordered[-1] > _MAX_NS:  # clamped, as StatsTable.add does
+            clamped = [min(max(t // 1000, 0), _MAX_US) for t in totals]
+            total_us, min_us, max_us = sum(clamped), min(clamped), max(clamped)
+        else:
+            total_us, min_us, max_us = total_sum // 1000, ordered[0] // 1000, ordered[-1] // 1000
+        hist: dict[int, int] = {}
+        add_sorted_ns(hist, ordered)
+        queue_sum = sum(queues)
+        backend_sum = sum(backends)
+        summary.groups.append(
+            (shape, n, errors, rows, total_us, queue_sum // 1000, backend_sum // 1000,
+             min_us, max_us, hist, done[0] / 1e9 + offset, last)
+        )  # fmt: skip
+        summary.queues.extend(queues)
+        summary.backends.extend(backends)
+        if sent == acquired:
+            summary.acquire_zeros += n
+        else:
+            summary.acquires.extend(map(sub, sent, acquired))
+        if pins.count(None) != n:
+            pinned = summary.pinned
+            for reasons in pins:
+                if reasons:
+                    for reason in reasons:
+                        pinned[reason] = pinned.get(reason, 0) + 1
+        by_database = summary.by_database
+        database = databases[0]
+        if databases.count(database) == n:
+            entry = by_database.get(database)
+            if entry is None:
+                by_database[database] = [errors, ordered, total_sum]
+            else:
+                entry[0] += errors
+                entry[1] += ordered
+                entry[2] += total_sum
+        else:
+            for database, total, sqlstate in zip(databases, totals, sqlstates, strict=True):
+                entry = by_database.get(database)
+                if entry is None:
+                    entry = by_database[database] = [0, [], 0]
+                entry[0] += sqlstate is not None
+                entry[1].append(total)
+                entry[2] += total
+        if summary.listened is not None:
+            summary.listened.append((databases, totals, sqlstates))
+
+    def _events(self, batch: list[QueryRecord], shapes: list[Shape]) -> list[tuple[Any, ...]]:
+        """One event tuple per record, in record order."""
+        offset = self._wall_offset
+        anonymize = self.anonymize
+        tag_rows = self._tag_rows.__getitem__
+        events = []
+        for rec, shape in zip(batch, shapes, strict=True):
+            ctx, text, received, acquired, sent, done, rows, sqlstate, pins = rec
+            client_id, database, user, application_name, worker = ctx
+            if anonymize:
+                query = shape.normalized
+            else:
+                query = (text[:-1] if text[-1:] == b"\x00" else text).decode("utf-8", "replace")
+            events.append(
+                (done / 1e9 + offset, worker, client_id, database, user, application_name,
+                 shape.fingerprint, query, (acquired - received) // 1000,
+                 (sent - acquired) // 1000, (done - sent) // 1000, (done - received) // 1000,
+                 tag_rows(rows), sqlstate, pins is not None, pins or ())
+            )  # fmt: skip
+        return events
+
+    def _apply(self, summary: _Summary) -> None:
+        """Fold a chunk's summary into statistics, sketches, metrics, events."""
+        add_group = self.stats.add_group
+        hot = self.hot_data
+        for group in summary.groups:
+            shape, n, errors, rows, total_us, queue_us, backend_us, min_us, max_us, hist, first, last = group  # fmt: skip
+            add_group(shape.fingerprint, shape.normalized, first, last, n, errors, rows,
+                      total_us, queue_us, backend_us, min_us, max_us, hist)  # fmt: skip
+            for table in shape.tables:
+                hot.add_table(table, n)
+        if summary.values:
+            hot.add_values(summary.values)
+        metrics = self.metrics
+        for database, (errors, totals, total_sum) in summary.by_database.items():
+            metrics.observe_database(database, errors, totals, total_sum)
+        metrics.observe_phases(
+            summary.queues, summary.acquires, summary.backends, summary.acquire_zeros
+        )
+        for reason, count in summary.pinned.items():
+            metrics.add_pinned(reason, count)
+        if summary.listened:
+            self._tell_listeners(summary.listened)
+        events = summary.events
+        if events:
+            if self._ship_events:
+                self.ring.extend(events)
+            if self._subscribers:
+                for event in events:
+                    as_dict = event_dict(event)
+                    for subscription in self._subscribers:
+                        subscription.offer(as_dict)
+
+    def _tell_listeners(
+        self, listened: list[tuple[list[str], list[int], list[str | None]]]
+    ) -> None:
+        listeners = self.query_listeners
+        for databases, totals, sqlstates in listened:
+            for database, total, sqlstate in zip(databases, totals, sqlstates, strict=True):
+                for listener in listeners:
+                    try:
+                        listener(database, total // 1000, sqlstate)
+                    except Exception:
+                        self.record_failures += 1
 
     def _flushed(self, count: int, seconds: float, ok: bool) -> None:
         self.metrics.event_flush_seconds.observe(seconds)
@@ -314,3 +461,59 @@ class Observatory:
 
 def _discard(rec: QueryRecord) -> None:
     """``record`` when fingerprinting is off."""
+
+
+_CONTEXT, _TEXT, _RECEIVED, _ACQUIRED, _SENT, _DONE, _ROWS, _SQLSTATE, _PINS = (
+    itemgetter(i) for i in range(9)
+)
+_DATABASE = attrgetter("database")
+_MAX_US = (1 << 40) - 1
+_MAX_NS = _MAX_US * 1000
+
+
+class _Summary:
+    """What one chunk of records adds up to (see ``Observatory._summarize``)."""
+
+    __slots__ = (
+        "groups",
+        "values",
+        "by_database",
+        "queues",
+        "acquires",
+        "acquire_zeros",
+        "backends",
+        "pinned",
+        "listened",
+        "events",
+    )
+
+    def __init__(self, values: dict[bytes, int], listened: bool) -> None:
+        #: Per shape (and stats slot): the arguments of StatsTable.add_group.
+        self.groups: list[tuple[Any, ...]] = []
+        #: Hot lookup value key -> count.
+        self.values = values
+        #: database -> [errors, latencies (ns), sum of latencies (ns)].
+        self.by_database: dict[str, list[Any]] = {}
+        self.queues: list[int] = []
+        self.acquires: list[int] = []
+        self.acquire_zeros = 0
+        self.backends: list[int] = []
+        #: Pin reason -> statements run while pinned.
+        self.pinned: dict[str, int] = {}
+        #: (databases, latencies in ns, sqlstates) per group, for the listeners.
+        self.listened: list[tuple[list[str], list[int], list[str | None]]] | None = (
+            [] if listened else None
+        )
+        self.events: list[tuple[Any, ...]] = []
+
+
+class _TagRows(dict[Any, int]):
+    """Row counts by CommandComplete tag (an int stands for itself), memoized:
+    a workload has few distinct tags."""
+
+    def __missing__(self, tag: Any) -> int:
+        rows = parse_command_rows(tag) if tag.__class__ is bytes else int(tag)
+        if len(self) >= 4096:
+            self.clear()
+        self[tag] = rows
+        return rows

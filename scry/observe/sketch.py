@@ -155,6 +155,7 @@ class HotData:
         self._table_indexes: dict[str, list[int]] = {}
         self._column_prefix: dict[str, bytes] = {}
         self._digest = anonymizer.digest
+        self._hasher = anonymizer.hasher()
 
     def add_table(self, table: str, count: int = 1) -> None:
         """Count ``count`` uses of a table (the pipeline adds up per drain)."""
@@ -178,9 +179,27 @@ class HotData:
             if len(self._column_prefix) > 100_000:
                 self._column_prefix.clear()
             prefix = self._column_prefix[column] = column.encode("utf-8", "surrogatepass") + b"\0"
-        digest = self._digest(prefix + literal, self._digest_len)  # type: ignore[operator]
-        if self.top_values.offer(digest, self.values.add_digest(digest)):
-            self.top_values.labels[digest] = (column, f"#{short_token(digest)}…")
+        self.add_values({prefix + literal: 1})  # type: ignore[operator]
+
+    def add_values(self, counts: dict[bytes, int]) -> None:
+        """Count lookup values given as ``fingerprint.value_key`` -> count
+        (``b"table.column\0value"``; the pipeline adds up one drain's worth).
+        Each key is hashed once with the anonymization key; only the digest
+        is kept."""
+        copy = self._hasher.copy
+        length = self._digest_len
+        cms = self.values
+        add = cms.add_digest
+        top = self.top_values
+        offer = top.offer
+        labels = top.labels
+        for key, count in counts.items():
+            h = copy()
+            h.update(key)
+            digest = h.digest(length=length)
+            if offer(digest, add(digest, count)):
+                column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
+                labels[digest] = (column, f"#{short_token(digest)}…")
 
     def maybe_decay(self, now: float | None = None) -> bool:
         """Halve everything if a decay interval passed; True if it did."""

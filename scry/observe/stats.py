@@ -82,7 +82,8 @@ class QueryStats:
 
 
 class StatsTable:
-    """All fingerprints' statistics; ``add`` is called once per record."""
+    """All fingerprints' statistics: ``add`` counts one statement,
+    ``add_group`` many of one fingerprint (what the pipeline's drain uses)."""
 
     def __init__(
         self,
@@ -170,6 +171,65 @@ class StatsTable:
             slot[8] = total_us
         shist = slot[9]
         shist[bucket] = shist.get(bucket, 0) + 1
+
+    def add_group(
+        self,
+        fingerprint: str,
+        query: str,
+        first_ts: float,
+        last_ts: float,
+        calls: int,
+        errors: int,
+        rows: int,
+        total_us: int,
+        queue_us: int,
+        backend_us: int,
+        min_us: int,
+        max_us: int,
+        hist: dict[int, int],
+    ) -> None:
+        """Count ``calls`` statements of one fingerprint at once (the pipeline
+        sums up a drain's worth). They must all fall in the slot of ``last_ts``;
+        times are sums (µs), ``min_us``/``max_us``/``hist`` already clamped
+        and bucketed like ``add`` does."""
+        entries = self._entries
+        e = entries.get(fingerprint)
+        if e is None:
+            e = entries[fingerprint] = QueryStats(fingerprint, query, first_ts, self.nslots)
+            if len(entries) > self.max_fingerprints:
+                self._evict(entries.popitem(last=False)[1])
+        else:
+            entries.move_to_end(fingerprint)
+        e.calls += calls
+        e.errors += errors
+        e.rows += rows
+        e.total_us += total_us
+        e.queue_us += queue_us
+        e.backend_us += backend_us
+        if min_us < e.min_us:
+            e.min_us = min_us
+        if max_us > e.max_us:
+            e.max_us = max_us
+        merge_into(e.hist, hist)
+        if last_ts > e.last_seen:
+            e.last_seen = last_ts
+        epoch = int(last_ts) // self.slot_seconds
+        slot = e.slots[epoch % self.nslots]
+        if slot[_EPOCH] != epoch:
+            if epoch < slot[_EPOCH]:
+                return  # older than the window the ring still holds
+            slot = e.slots[epoch % self.nslots] = _new_slot(epoch)
+        slot[_CALLS] += calls
+        slot[_ERRORS] += errors
+        slot[_ROWS] += rows
+        slot[_TOTAL] += total_us
+        slot[_QUEUE] += queue_us
+        slot[_BACKEND] += backend_us
+        if min_us < slot[_MIN]:
+            slot[_MIN] = min_us
+        if max_us > slot[_MAX]:
+            slot[_MAX] = max_us
+        merge_into(slot[_HIST], hist)
 
     def _evict(self, e: QueryStats) -> None:
         self.evicted += 1
