@@ -89,6 +89,8 @@ _NOT_SETTINGS = frozenset({"user", "database", "options", "replication"})
 # Client bytes held while waiting for a server before reading pauses.
 MAX_QUEUED_BYTES = 256 * 1024
 
+_READY_IDLE = m.ready_for_query()
+
 STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 
 _ids = itertools.count(1)
@@ -141,7 +143,7 @@ def parse_options(options: str) -> dict[str, str]:
 
 
 def _valid_setting_name(name: str) -> bool:
-    return bool(name) and all(c.isalnum() or c in "_." for c in name)
+    return name.replace("_", "a").replace(".", "a").isalnum()
 
 
 class ClientConnection(asyncio.Protocol):
@@ -152,7 +154,7 @@ class ClientConnection(asyncio.Protocol):
         self.proxy = proxy
         self.state = STARTUP
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.addr = ""
+        self._addr: str | None = None
         self.user = ""
         self.database = ""
         self.application_name = ""
@@ -160,6 +162,7 @@ class ClientConnection(asyncio.Protocol):
         self.pool: Pool | None = None
         self.server: ServerConnection | None = None
         self.connected_at = time.time()
+        self.connected_clock = proxy.clock  # coarse monotonic, for client_login_timeout
         self.cancel_key: tuple[int, int] | None = None
         self.transaction_pooling = True
         self.tracker: SessionTracker | None = None  # transaction and hybrid modes
@@ -191,7 +194,6 @@ class ClientConnection(asyncio.Protocol):
         self._syncs_since_execute = 0
         self.waiting_since = 0  # perf_counter_ns() when it joined the pool's queue; 0 = not
 
-        self._login_timer: asyncio.TimerHandle | None = None
         self._paused_waiting = False
         self._paused_by_server = False
         self._closing_after_release = False
@@ -200,14 +202,17 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        peer = transport.get_extra_info("peername")
-        self.addr = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
-        timeout = self.proxy.config.timeouts.client_login_timeout
-        if timeout:
-            self._login_timer = asyncio.get_running_loop().call_later(
-                timeout, self._login_timed_out
-            )
+        # client_login_timeout is enforced by the proxy's janitor: no timer per connection.
         self.proxy.on_client_connected(self)
+
+    @property
+    def addr(self) -> str:
+        """The client's address (looked up when first needed: one syscall saved per login)."""
+        addr = self._addr
+        if addr is None:
+            peer = self.transport.get_extra_info("peername") if self.transport else None
+            addr = self._addr = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
+        return addr
 
     def data_received(self, data: bytes) -> None:
         if self.state is READY:
@@ -364,19 +369,10 @@ class ClientConnection(asyncio.Protocol):
     def _complete_login(self, welcome: dict[str, str]) -> None:
         pool = self.pool
         assert pool is not None
-        status = dict(welcome)
-        for name, value in self.params.items():
-            if name in status:
-                status[name] = value
         pid, secret = self.proxy.register_cancel_key(self)
-        out = [m.auth_ok()]
-        out.extend(m.parameter_status(k, v) for k, v in status.items())
-        out.append(m.backend_key_data(pid, secret))
-        out.append(m.ready_for_query())
-        self.transport.write(b"".join(out))
-        if self._login_timer is not None:
-            self._login_timer.cancel()
-            self._login_timer = None
+        self.transport.write(
+            pool.login_greeting(self.params) + m.backend_key_data(pid, secret) + _READY_IDLE
+        )
         self.state = READY
         self.context = ClientContext(self.id, self.database, self.user, self.application_name)
         event("client login", client=self.id, addr=self.addr, user=self.user,
@@ -387,8 +383,8 @@ class ClientConnection(asyncio.Protocol):
         if early:
             self._relay(early)
 
-    def _login_timed_out(self) -> None:
-        self._login_timer = None
+    def login_timed_out(self) -> None:
+        """client_login_timeout (checked by the janitor)."""
         if self.state in (STARTUP, AUTH, LOGIN):
             self.fatal(PROTOCOL_VIOLATION, "client_login_timeout")
 
@@ -849,8 +845,6 @@ class ClientConnection(asyncio.Protocol):
         # load balancer's health check) is not worth a log line.
         quiet = quiet or (self.state is STARTUP and not self.user and not self._startup_buf)
         self.state = CLOSED
-        if self._login_timer is not None:
-            self._login_timer.cancel()
         pool = self.pool
         if pool is not None and self.waiting_since:
             pool.cancel_wait(self)

@@ -40,7 +40,7 @@ class SessionTracker:
     __slots__ = (
         "client_id",
         "pinning",
-        "state",
+        "_state",
         "queued",
         "work",
         "pinned_since",
@@ -52,7 +52,7 @@ class SessionTracker:
     def __init__(self, client_id: str, pinning: bool) -> None:
         self.client_id = client_id
         self.pinning = pinning  # hybrid: pin; transaction: only warn
-        self.state = SessionState()
+        self._state: SessionState | None = None  # created with the first effect
         # (ordinal of the completing ReadyForQuery, effects, statement text)
         self.queued: deque[tuple[int, tuple[Effect, ...], bytes]] = deque()
         self.work = False  # anything for settle() to do: checked per ReadyForQuery
@@ -62,8 +62,15 @@ class SessionTracker:
         self._warned = False
 
     @property
+    def state(self) -> SessionState:
+        state = self._state
+        if state is None:
+            state = self._state = SessionState()
+        return state
+
+    @property
     def pinned(self) -> bool:
-        return self.pinning and self.state.pinned
+        return self.pinning and self._state is not None and self._state.pinned
 
     # --- fed by the client relay -------------------------------------------------
 

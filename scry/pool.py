@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from scry.config import DatabaseTarget, PoolConfig
 from scry.log import event
+from scry.protocol import messages as m
 from scry.protocol.errors import CONNECTION_FAILURE
 from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError, settings_sql
 
@@ -79,6 +80,7 @@ class Pool:
         # Counters for SHOW/admin views.
         self.total_wait_us = 0
         self.waits = 0  # clients that had to queue for a server
+        self._greetings: dict[tuple[tuple[str, str], ...], bytes] = {}
         self._waits_seen = 0
         self._wait_us_seen = 0
         self.max_wait_started: float | None = None
@@ -258,6 +260,25 @@ class Pool:
             fut.set_exception(exc)
             fut.exception()  # mark retrieved; each waiter re-raises its own copy
         self._welcome_future = None
+
+    def login_greeting(self, settings: dict[str, str]) -> bytes:
+        """AuthenticationOk and the ParameterStatus set for a client with ``settings``.
+
+        Built once per distinct set of settings (most clients of a pool share
+        one): a login then costs a dict lookup, not a dozen message builds.
+        """
+        key = tuple(settings.items())
+        greeting = self._greetings.get(key)
+        if greeting is None:
+            status = dict(self.welcome or {})
+            for name, value in settings.items():
+                if name in status:
+                    status[name] = value
+            greeting = m.auth_ok() + b"".join(m.parameter_status(k, v) for k, v in status.items())
+            if len(self._greetings) >= 256:
+                self._greetings.clear()
+            self._greetings[key] = greeting
+        return greeting
 
     def mean_wait_since_last_call(self) -> float | None:
         """Mean queueing time (s) of the clients served since the previous call."""

@@ -159,6 +159,7 @@ class Proxy:
                 pool.expire_waiters(wait_timeout)
                 pool.maintain(now)
             self._check_health()
+            self._expire_logins(now)
             self._reclaim_idle_pins(now)
 
     # --- breakers and health ----------------------------------------------------------
@@ -210,6 +211,14 @@ class Proxy:
             limit = pool.settings.idle_unpin_seconds if pool is not None else 0
             if limit and now - client.last_active >= limit:
                 client.reclaim_pinned_server("idle_unpin_seconds")
+
+    def _expire_logins(self, now: float) -> None:
+        timeout = self.config.timeouts.client_login_timeout
+        if not timeout:
+            return
+        for client in list(self.clients):
+            if client.state != "ready" and now - client.connected_clock >= timeout:
+                client.login_timed_out()
 
     def _check_health(self) -> None:
         for pool in self.pools.values():

@@ -31,6 +31,7 @@ collapsed). It depends only on the shape, so the caches never disagree.
 from __future__ import annotations
 
 import re
+from operator import itemgetter
 from typing import Any
 
 import blake3
@@ -39,6 +40,7 @@ from pglast import ast
 from pglast.parser import ParseError
 
 from scry.observe.anonymize import Anonymizer
+from scry.observe.histogram import count_elements
 from scry.observe.lexer import (
     PLACEHOLDER,
     canonical,
@@ -81,20 +83,48 @@ class Shape:
 #: ``bytes.translate`` table of the variant key: every digit becomes ``0``.
 DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 
-#: What the drain needs of one text: (shape, value spans, digit checks).
-#:
-#: value spans
-#:     ``(prefix, start, end)`` per hot lookup value: the sketch key of the
-#:     value is ``prefix + text[start:end]`` (prefix = ``b"table.column\0"``,
-#:     string quotes outside the span). A value that has no fixed position
-#:     (a per-text variant) is carried whole in ``prefix`` with an empty span.
-#: digit checks
-#:     None, or ``(start, end, digits)`` for each run of digits outside the
-#:     literals: a text with this variant key is this variant only if
-#:     ``text[start:end] == digits`` (``t1`` and ``t2`` share a key).
-Variant = tuple[
-    Shape, tuple[tuple[bytes, int, int], ...], tuple[tuple[int, int, bytes], ...] | None
-]
+
+class Variant:
+    """What the drain needs of the texts that share a variant key.
+
+    ``spans``
+        ``(prefix, start, end)`` per hot lookup value: the sketch key of the
+        value is ``prefix + text[start:end]`` (prefix = ``b"table.column\0"``,
+        string quotes outside the span).
+    ``checks``
+        None, or ``(start, end, digits)`` for each run of digits outside the
+        literals: a text with this variant key is of this variant only if
+        ``text[start:end] == digits`` (``t1`` and ``t2`` share a key).
+
+    A *loose* variant (``Fingerprinter.loose``) stands for the texts of a
+    shape that are not kept by variant key: no spans, their values come with
+    each text.
+    """
+
+    __slots__ = ("shape", "spans", "checks", "_getters")
+
+    def __init__(
+        self,
+        shape: Shape,
+        spans: tuple[tuple[bytes, int, int], ...] = (),
+        checks: tuple[tuple[int, int, bytes], ...] | None = None,
+    ) -> None:
+        self.shape = shape
+        self.spans = spans
+        self.checks = checks
+        self._getters = tuple(
+            (prefix.__add__, itemgetter(slice(start, end))) for prefix, start, end in spans
+        )
+
+    def matches(self, text: bytes) -> bool:
+        """Whether ``text`` (with this variant key) passes the digit checks."""
+        return self.checks is None or all(text[s:e] == d for s, e, d in self.checks)
+
+    def count_values(self, texts: list[bytes], counts: dict[bytes, int]) -> None:
+        """Add the hot lookup value keys of ``texts`` (all of this variant) to ``counts``."""
+        for prefixed, value in self._getters:
+            count_elements(counts, map(prefixed, map(value, texts)))
+
 
 _MAX_VARIANT_LEN = 4096
 _MAX_VARIANTS_PER_SHAPE = 256  # beyond: values in the text itself (strings), not worth keeping
@@ -122,13 +152,16 @@ class Fingerprinter:
         #: so it is only ever cleared, never replaced.
         self.variants: dict[bytes, Variant] = {}
         self._variants_per_shape: dict[Shape, int] = {}
+        self._loose: dict[Shape, Variant] = {}
         self._max_variants = max_variants
         #: How many texts went through PostgreSQL's parser (new shapes).
         self.parses = 0
 
-    def resolve(self, text: bytes) -> Variant:
+    def resolve(self, text: bytes) -> tuple[Variant, tuple[bytes, ...]]:
         """The variant of a text that missed ``variants`` (or failed its
-        digit checks); keeps it when it can be shared by other texts.
+        digit checks), kept when other texts can share it, and the hot lookup
+        value keys of this text when they are not at the variant's spans
+        (a loose variant).
 
         ``text`` is the statement as the proxy recorded it: a trailing NUL
         (a Query body's terminator) is ignored.
@@ -142,7 +175,7 @@ class Fingerprinter:
             if key not in variants and per_shape < _MAX_VARIANTS_PER_SHAPE:
                 spans = literal_spans(raw)
                 if spans is not None:
-                    variant = (
+                    variant = Variant(
                         shape,
                         _value_spans(shape, raw, spans, collapsed),
                         _digit_checks(raw, spans),
@@ -150,15 +183,25 @@ class Fingerprinter:
                     if len(variants) >= self._max_variants:
                         variants.clear()
                         self._variants_per_shape.clear()
+                        self._loose.clear()
                         per_shape = 0
                     variants[key] = variant
                     self._variants_per_shape[shape] = per_shape + 1
-                    return variant
+                    return variant, ()
         keys = tuple(
-            (value_key(column, literal), 0, 0)
+            value_key(column, literal)
             for column, literal in lookup_values(shape, raw, literals, collapsed)
         )
-        return shape, keys, None
+        return self.loose(shape), keys
+
+    def loose(self, shape: Shape) -> Variant:
+        """The one loose variant of a shape."""
+        variant = self._loose.get(shape)
+        if variant is None:
+            if len(self._loose) >= self._max_shapes:
+                self._loose.clear()
+            variant = self._loose[shape] = Variant(shape)
+        return variant
 
     def lookup(self, text: bytes) -> tuple[Shape, list[Any], bool]:
         """(shape, literal tokens in order, whether a literal list was collapsed)."""

@@ -46,7 +46,7 @@ from typing import Any
 from scry.config import ObservabilityConfig
 from scry.observe.anonymize import Anonymizer
 from scry.observe.events import EventRing, Subscription, event_dict, make_predicate
-from scry.observe.fingerprint import DIGITS_TO_ZERO, Fingerprinter, Shape
+from scry.observe.fingerprint import DIGITS_TO_ZERO, Fingerprinter, Shape, Variant
 from scry.observe.histogram import add_sorted_ns
 from scry.observe.metrics import ObserveMetrics
 from scry.observe.record import QueryRecord
@@ -214,68 +214,61 @@ class Observatory:
         variant_of = fingerprinter.variants.get
         resolve = fingerprinter.resolve
         zero = DIGITS_TO_ZERO
-        groups: dict[Shape, list[QueryRecord]] = {}
+        groups: dict[Variant, list[QueryRecord]] = {}
         group_of = groups.get
         values: dict[bytes, int] = {}
-        count_of = values.get
         want_events = self._ship_events or bool(self._subscribers)
-        shapes: list[Shape] = []
+        variants: list[Variant] = []
         for rec in batch:
             text = rec[1]
             variant = variant_of(text.translate(zero))
-            if variant is None:
-                variant = resolve(text)
-            shape, spans, checks = variant
-            if checks is not None:
-                for start, end, digits in checks:
-                    if text[start:end] != digits:
-                        shape, spans, _ = resolve(text)
-                        break
-            group = group_of(shape)
+            if variant is None or (variant.checks is not None and not variant.matches(text)):
+                variant, keys = resolve(text)
+                for key in keys:
+                    values[key] = values.get(key, 0) + 1
+            group = group_of(variant)
             if group is None:
-                groups[shape] = [rec]
+                groups[variant] = [rec]
             else:
                 group.append(rec)
-            if spans:
-                for prefix, start, end in spans:
-                    key = prefix + text[start:end]
-                    values[key] = count_of(key, 0) + 1
             if want_events:
-                shapes.append(shape)
+                variants.append(variant)
+        by_shape: dict[Shape, list[QueryRecord]] = {}
+        for variant, recs in groups.items():
+            if variant.spans:
+                variant.count_values(list(map(_TEXT, recs)), values)
+            same = by_shape.get(variant.shape)
+            if same is None:
+                by_shape[variant.shape] = recs
+            else:
+                same += recs
         summary = _Summary(values, bool(self.query_listeners))
-        for shape, recs in groups.items():
+        for shape, recs in by_shape.items():
             self._summarize_group(summary, shape, recs)
         if want_events:
-            summary.events = self._events(batch, shapes)
+            summary.events = self._events(batch, variants)
         return summary
 
     def _summarize_group(self, summary: _Summary, shape: Shape, recs: list[QueryRecord]) -> None:
         n = len(recs)
-        received = list(map(_RECEIVED, recs))
-        done = list(map(_DONE, recs))
+        contexts, _, received, acquired, sent, done, tags, sqlstates, pins = zip(*recs, strict=True)
         offset = self._wall_offset
-        first = min(done) / 1e9 + offset
         last = max(done) / 1e9 + offset
         slot_seconds = self.stats.slot_seconds
-        if int(first) // slot_seconds != int(last) // slot_seconds:
+        if n > 1 and int(min(done) / 1e9 + offset) // slot_seconds != int(last) // slot_seconds:
             # Across a stats slot boundary (once per slot): one group per slot.
             by_slot: dict[int, list[QueryRecord]] = {}
             for rec, t in zip(recs, done, strict=True):
                 by_slot.setdefault(int(t / 1e9 + offset) // slot_seconds, []).append(rec)
-            if len(by_slot) > 1:
-                for part in by_slot.values():
-                    self._summarize_group(summary, shape, part)
-                return
-        acquired = list(map(_ACQUIRED, recs))
-        sent = list(map(_SENT, recs))
+            for part in by_slot.values():
+                self._summarize_group(summary, shape, part)
+            return
         totals = list(map(sub, done, received))
         queues = list(map(sub, acquired, received))
         backends = list(map(sub, done, sent))
-        sqlstates = list(map(_SQLSTATE, recs))
         errors = n - sqlstates.count(None)
-        rows = sum(map(self._tag_rows.__getitem__, map(_ROWS, recs)))
-        pins = list(map(_PINS, recs))
-        databases = list(map(_DATABASE, map(_CONTEXT, recs)))
+        rows = sum(map(self._tag_rows.__getitem__, tags))
+        databases = list(map(_DATABASE, contexts))
         ordered = sorted(totals)
         total_sum = sum(totals)
         if ordered[0] < 0 or ordered[-1] > _MAX_NS:  # clamped, as StatsTable.add does
@@ -324,14 +317,15 @@ class Observatory:
         if summary.listened is not None:
             summary.listened.append((databases, totals, sqlstates))
 
-    def _events(self, batch: list[QueryRecord], shapes: list[Shape]) -> list[tuple[Any, ...]]:
+    def _events(self, batch: list[QueryRecord], variants: list[Variant]) -> list[tuple[Any, ...]]:
         """One event tuple per record, in record order."""
         offset = self._wall_offset
         anonymize = self.anonymize
         tag_rows = self._tag_rows.__getitem__
         events = []
-        for rec, shape in zip(batch, shapes, strict=True):
+        for rec, variant in zip(batch, variants, strict=True):
             ctx, text, received, acquired, sent, done, rows, sqlstate, pins = rec
+            shape = variant.shape
             client_id, database, user, application_name, worker = ctx
             if anonymize:
                 query = shape.normalized
@@ -463,9 +457,7 @@ def _discard(rec: QueryRecord) -> None:
     """``record`` when fingerprinting is off."""
 
 
-_CONTEXT, _TEXT, _RECEIVED, _ACQUIRED, _SENT, _DONE, _ROWS, _SQLSTATE, _PINS = (
-    itemgetter(i) for i in range(9)
-)
+_TEXT = itemgetter(1)
 _DATABASE = attrgetter("database")
 _MAX_US = (1 << 40) - 1
 _MAX_NS = _MAX_US * 1000
@@ -491,7 +483,7 @@ class _Summary:
         #: Per shape (and stats slot): the arguments of StatsTable.add_group.
         self.groups: list[tuple[Any, ...]] = []
         #: Hot lookup value key -> count.
-        self.values = values
+        self.values: dict[bytes, int] = values
         #: database -> [errors, latencies (ns), sum of latencies (ns)].
         self.by_database: dict[str, list[Any]] = {}
         self.queues: list[int] = []
@@ -501,7 +493,7 @@ class _Summary:
         #: Pin reason -> statements run while pinned.
         self.pinned: dict[str, int] = {}
         #: (databases, latencies in ns, sqlstates) per group, for the listeners.
-        self.listened: list[tuple[list[str], list[int], list[str | None]]] | None = (
+        self.listened: list[tuple[list[str], list[int], tuple[str | None, ...]]] | None = (
             [] if listened else None
         )
         self.events: list[tuple[Any, ...]] = []

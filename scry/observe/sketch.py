@@ -186,20 +186,55 @@ class HotData:
         (``b"table.column\0value"``; the pipeline adds up one drain's worth).
         Each key is hashed once with the anonymization key; only the digest
         is kept."""
+        # CountMinSketch.add_digest and the common TopK.offer outcome (not
+        # kept, not admitted) inlined: this runs once per distinct value.
         copy = self._hasher.copy
         length = self._digest_len
         cms = self.values
-        add = cms.add_digest
+        cells = cms._counts
+        unpack = cms._unpack
+        width = cms.width
+        offsets = cms._offsets
+        depth4 = cms.depth == 4  # the default, unrolled
+        offset2, offset3 = 2 * width, 3 * width
         top = self.top_values
+        kept = top.counts
+        k = top.k
         offer = top.offer
         labels = top.labels
+        floor = top._min_value if top._min_key is not None else None
+        added = 0
         for key, count in counts.items():
             h = copy()
             h.update(key)
             digest = h.digest(length=length)
-            if offer(digest, add(digest, count)):
+            if depth4:
+                a, b, c, d = unpack(digest)
+                a %= width
+                b = b % width + width
+                c = c % width + offset2
+                d = d % width + offset3
+                cells[a] = ca = cells[a] + count
+                cells[b] = cb = cells[b] + count
+                cells[c] = cc = cells[c] + count
+                cells[d] = cd = cells[d] + count
+                estimate = min(ca, cb, cc, cd)
+            else:
+                estimate = -1
+                for v, offset in zip(unpack(digest), offsets):  # noqa: B905
+                    i = v % width + offset
+                    c = cells[i] + count
+                    cells[i] = c
+                    if c < estimate or estimate < 0:
+                        estimate = c
+            added += count
+            if floor is not None and estimate <= floor and len(kept) >= k and digest not in kept:
+                continue  # would not be admitted
+            if offer(digest, estimate):
                 column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
                 labels[digest] = (column, f"#{short_token(digest)}…")
+            floor = top._min_value if top._min_key is not None else None
+        cms.total += added
 
     def maybe_decay(self, now: float | None = None) -> bool:
         """Halve everything if a decay interval passed; True if it did."""

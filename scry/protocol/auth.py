@@ -60,6 +60,18 @@ def secret_kind(secret: str) -> str:
 # with a per-process key (PostgreSQL's scram_mock_salt idea): the same user
 # always sees the same salt, so probes cannot tell unknown users apart.
 _MOCK_SALT_KEY = os.urandom(32)
+_salt_pool = bytearray()
+
+
+def _random_salt() -> bytes:
+    """Four random bytes for an md5 challenge, from a pool refilled 4 KiB at a time."""
+    if not _salt_pool:
+        _salt_pool.extend(os.urandom(4096))
+    salt = bytes(_salt_pool[-4:])
+    del _salt_pool[-4:]
+    return salt
+
+
 _UNKNOWN_USER_SECRET = os.urandom(16).hex()
 
 
@@ -116,7 +128,7 @@ class ClientAuthExchange:
         if method == "scram-sha-256" and kind == "md5":
             method = "md5"
         self.method = method
-        self._salt = os.urandom(4)
+        self._salt = _random_salt()
         self._scram_server: Any = None
 
     def start(self) -> AuthStep:
