@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 import time
 from collections import deque
 from time import perf_counter_ns
@@ -34,6 +35,7 @@ from scry.protocol.errors import (
     ADMIN_SHUTDOWN,
     CONNECTION_FAILURE,
     FEATURE_NOT_SUPPORTED,
+    INVALID_AUTHORIZATION,
     PROTOCOL_VIOLATION,
     TOO_MANY_CONNECTIONS,
     ProtocolViolation,
@@ -42,6 +44,7 @@ from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ClientStatements
 from scry.protocol.prepared import rewrite as rewrite_statements
 from scry.server import ServerConnection, ServerLoginError
+from scry.tls import peer_common_name
 
 if TYPE_CHECKING:
     from scry.proxy import Proxy
@@ -160,6 +163,7 @@ class ClientConnection(asyncio.Protocol):
         self.application_name = ""
         self.params: dict[str, str] = {}  # settings to apply on any server that serves us
         self.pool: Pool | None = None
+        self.tls = False
         self.server: ServerConnection | None = None
         self.connected_at = time.time()
         self.connected_clock = proxy.clock  # coarse monotonic, for client_login_timeout
@@ -246,8 +250,15 @@ class ClientConnection(asyncio.Protocol):
                 return
             packet, used = parsed
             del buf[:used]
-            if isinstance(packet, st.SSLRequest | st.GSSENCRequest):
-                self.transport.write(b"N")  # TLS to clients: see tls.client_tls_sslmode
+            if isinstance(packet, st.SSLRequest):
+                context = self.proxy.client_tls.context
+                if context is None or self.tls:
+                    self.transport.write(b"N")
+                else:
+                    self._upgrade_to_tls(context)
+                    return
+            elif isinstance(packet, st.GSSENCRequest):
+                self.transport.write(b"N")  # no GSSAPI encryption; the client may go on
             elif isinstance(packet, st.CancelRequest):
                 self.proxy.handle_cancel(packet.pid, packet.secret)
                 self._cleanup("cancel request", quiet=True)
@@ -255,11 +266,50 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._begin_login(packet)
 
+    def _upgrade_to_tls(self, context: ssl.SSLContext) -> None:
+        # Nothing may be read between our 'S' and the handshake taking over.
+        self.transport.pause_reading()
+        self.transport.write(b"S")
+        asyncio.get_running_loop().create_task(self._tls_handshake(context))
+
+    async def _tls_handshake(self, context: ssl.SSLContext) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            transport = await loop.start_tls(
+                self.transport, self, context, server_side=True, ssl_handshake_timeout=30
+            )
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+            event("client TLS handshake failed", logging.WARNING, client=self.id,
+                  addr=self.addr, error=str(exc) or type(exc).__name__)  # fmt: skip
+            self._cleanup("TLS handshake failed", quiet=True)
+            self.transport.abort()
+            return
+        if transport is None or self.state is CLOSED:
+            return
+        self.transport = transport  # type: ignore[assignment]
+        self.tls = True
+        if self._startup_buf:
+            self._startup_data(b"")
+
     def _begin_login(self, packet: st.StartupMessage) -> None:
         proxy = self.proxy
         params = packet.params
         self.user = packet.user
         self.database = packet.database
+        if proxy.client_tls.required and not self.tls:
+            self.fatal(INVALID_AUTHORIZATION, "SSL required",
+                       detail=f"tls.client_tls_sslmode is {proxy.client_tls.mode}")  # fmt: skip
+            return
+        if proxy.auth.method == "cert" or proxy.client_tls.mode == "verify-full":
+            common_name = peer_common_name(self.transport) if self.tls else None
+            if common_name != self.user:
+                event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
+                      user=self.user, reason="certificate CN does not match")  # fmt: skip
+                self.fatal(
+                    INVALID_AUTHORIZATION,
+                    f'certificate authentication failed for user "{self.user}"',
+                )
+                return
         if "replication" in params and params["replication"] not in ("false", "off", "0"):
             self.fatal(FEATURE_NOT_SUPPORTED, "replication connections are not supported by scry")
             return

@@ -301,6 +301,11 @@ class AdminConfig(_Model):
     token_file: str | None = None
     read_only: bool = False
     enabled: bool = True
+    #: Serve ``/metrics`` without the token (for Prometheus scrapers that send none).
+    metrics_public: bool = False
+    #: TLS for the admin listener: both files, or neither (plain HTTP).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     _check_addr = field_validator("listen_addr")(_validate_listen_addr)
 
@@ -308,6 +313,9 @@ class AdminConfig(_Model):
     def _resolve_token(self) -> AdminConfig:
         if self.token is None and self.token_file is not None:
             self.token = _read_secret_file(self.token_file, "token_file")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise _problem(missing, "admin TLS needs both tls_cert_file and tls_key_file")
         host, _ = split_host_port(self.listen_addr)
         if self.enabled and not self.token and not is_loopback_host(host):
             # An unauthenticated admin API on the network could kill clients.

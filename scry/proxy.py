@@ -25,6 +25,7 @@ from scry.health import HealthMonitor
 from scry.log import event, setup_logging
 from scry.observe.pipeline import Observatory
 from scry.pool import Pool
+from scry.tls import client_tls, server_tls
 
 if TYPE_CHECKING:
     from scry.client import ClientConnection
@@ -40,6 +41,8 @@ class Proxy:
         self.config_path = config_path
         self.targets: dict[str, DatabaseTarget] = config.targets()
         self.auth = AuthPolicy.from_config(config)
+        self.client_tls = client_tls(config.tls)
+        self.server_tls = server_tls(config.tls)
         self.pools: dict[tuple[str, str], Pool] = {}
         self.clients: set[ClientConnection] = set()
         self.cancel_keys: dict[tuple[int, int], ClientConnection] = {}
@@ -131,6 +134,7 @@ class Proxy:
         try:
             new = load_config(self.config_path)
             auth = AuthPolicy.from_config(new)
+            tls_in, tls_out = client_tls(new.tls), server_tls(new.tls)
         except ConfigError as exc:
             event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
             return
@@ -138,6 +142,7 @@ class Proxy:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
         self.config = new
         self.auth = auth
+        self.client_tls, self.server_tls = tls_in, tls_out
         self.targets = new.targets()
         for (name, _user), pool in self.pools.items():
             target = self.targets.get(name)

@@ -30,7 +30,7 @@ from scry.protocol.auth import BackendAuthError, BackendAuthExchange
 from scry.protocol.errors import CONNECTION_FAILURE, ProtocolViolation
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ServerStatements
-from scry.protocol.startup import cancel_request, startup_message
+from scry.protocol.startup import cancel_request, ssl_request, startup_message
 
 if TYPE_CHECKING:
     from scry.client import ClientConnection
@@ -115,6 +115,8 @@ class ServerConnection(asyncio.Protocol):
         self._internal_done: Callable[[bool], None] | None = None
         self._internal_error = False
         self.internal_error_fields: dict[str, str] | None = None
+        self._tls_answer: asyncio.Future[bytes] | None = None
+        self.tls = False
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
         self.statements = ServerStatements(pool.settings.max_prepared_statements)
@@ -126,17 +128,37 @@ class ServerConnection(asyncio.Protocol):
     # --- connecting and login ------------------------------------------------
 
     async def connect(self, timeout: float) -> None:
-        """Open the TCP/Unix connection and log in; raises on failure."""
+        """Open the TCP/Unix connection, negotiate TLS, log in; raises on failure."""
         loop = asyncio.get_running_loop()
         target = self.pool.target
         self._login_waiter = loop.create_future()
+        tls = self.pool.proxy.server_tls
+        unix = target.host.startswith("/")
+        if tls.context is not None and not unix:
+            self._tls_answer = loop.create_future()
 
         async def _open() -> None:
-            if target.host.startswith("/"):
+            if unix:
                 path = f"{target.host}/.s.PGSQL.{target.port}"
                 await loop.create_unix_connection(lambda: self, path)
             else:
                 await loop.create_connection(lambda: self, target.host, target.port)
+            if self._tls_answer is not None:
+                answer = await self._tls_answer
+                if answer == b"S":
+                    assert tls.context is not None and self.transport is not None
+                    self.transport = await loop.start_tls(  # type: ignore[assignment]
+                        self.transport, self, tls.context, server_hostname=target.host
+                    )
+                    self.tls = True
+                elif tls.required:
+                    raise ServerLoginError(
+                        {
+                            "C": "08004",
+                            "M": f"the server refused TLS (server_tls_sslmode {tls.mode})",
+                        }
+                    )
+                self._send_startup()
             assert self._login_waiter is not None
             await self._login_waiter
 
@@ -150,15 +172,30 @@ class ServerConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("sockname")
         self.local_addr = f"{sock[0]}:{sock[1]}" if isinstance(sock, tuple) else str(sock)
-        pool = self.pool
         self.state = LOGIN
+        if self._tls_answer is not None:
+            transport.write(ssl_request())  # the answer decides what comes next
+            return
+        self._send_startup()
+
+    def _send_startup(self) -> None:
+        pool = self.pool
         self._reader = MessageReader(pool.max_message_size)
         self._auth = BackendAuthExchange(pool.server_user, pool.server_password)
         params = {"user": pool.server_user, "database": pool.target.dbname}
         params.update(pool.startup_params)
-        transport.write(startup_message(params))
+        self.transport.write(startup_message(params))  # type: ignore[union-attr]
 
     def _login_data(self, data: bytes) -> None:
+        answer = self._tls_answer
+        if answer is not None and not answer.done():
+            # The one-byte answer to our SSLRequest; nothing else may follow it.
+            if data[:1] not in (b"S", b"N") or len(data) != 1:
+                raise ValueError(f"unexpected answer to SSLRequest: {data[:1]!r}")
+            if data == b"S":
+                self.transport.pause_reading()  # type: ignore[union-attr]
+            answer.set_result(data)
+            return
         reader = self._reader
         assert reader is not None and self._auth is not None
         reader.feed(data)

@@ -318,24 +318,26 @@ class Observatory:
             summary.listened.append((databases, totals, sqlstates))
 
     def _events(self, batch: list[QueryRecord], variants: list[Variant]) -> list[tuple[Any, ...]]:
-        """One event tuple per record, in record order."""
+        """One event tuple per record, in record order. (A plain loop: building
+        the tuples column-wise with ``map`` and ``zip`` measured slower.)"""
         offset = self._wall_offset
         anonymize = self.anonymize
         tag_rows = self._tag_rows.__getitem__
-        events = []
+        events: list[tuple[Any, ...]] = []
+        append = events.append
         for rec, variant in zip(batch, variants, strict=True):
-            ctx, text, received, acquired, sent, done, rows, sqlstate, pins = rec
-            shape = variant.shape
+            ctx, text, received, acquired, sent, done, tags, sqlstate, pins = rec
             client_id, database, user, application_name, worker = ctx
+            shape = variant.shape
             if anonymize:
                 query = shape.normalized
             else:
                 query = (text[:-1] if text[-1:] == b"\x00" else text).decode("utf-8", "replace")
-            events.append(
+            append(
                 (done / 1e9 + offset, worker, client_id, database, user, application_name,
                  shape.fingerprint, query, (acquired - received) // 1000,
                  (sent - acquired) // 1000, (done - sent) // 1000, (done - received) // 1000,
-                 tag_rows(rows), sqlstate, pins is not None, pins or ())
+                 tag_rows(tags), sqlstate, pins is not None, pins or ())
             )  # fmt: skip
         return events
 

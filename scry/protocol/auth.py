@@ -133,7 +133,8 @@ class ClientAuthExchange:
 
     def start(self) -> AuthStep:
         """The first message to send after the StartupMessage."""
-        if self.method in ("trust", "any"):
+        if self.method in ("trust", "any", "cert"):
+            # cert: the proxy checked the client certificate's CN before this.
             return AuthStep(done=True)
         if self.method == "plain":
             return AuthStep(reply=m.auth_cleartext_password())
