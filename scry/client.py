@@ -433,6 +433,14 @@ class ClientConnection(asyncio.Protocol):
         if early:
             self._relay(early)
 
+    def query_timed_out(self, limit: float) -> None:
+        """query_timeout: cancel the query on PostgreSQL, close this client (PgBouncer's way)."""
+        pool = self.pool
+        if pool is not None:
+            pool.breaker.record_failure("query_timeout")
+        event("query_timeout", logging.WARNING, client=self.id, limit_s=limit)
+        self.fatal("57014", "query_timeout", detail=f"the query ran longer than {limit:g} s")
+
     def login_timed_out(self) -> None:
         """client_login_timeout (checked by the janitor)."""
         if self.state in (STARTUP, AUTH, LOGIN):
@@ -506,6 +514,8 @@ class ClientConnection(asyncio.Protocol):
             server = self.server
             if server is not None:  # the common case, inlined
                 self.unanswered = None
+                if not server.pending:
+                    server.busy_since = self.last_active
                 server.pending += owed
                 server.statements.segments_sent += owed
                 server.transport.write(out)  # type: ignore[union-attr]
@@ -522,6 +532,8 @@ class ClientConnection(asyncio.Protocol):
         if server is not None:
             self.unanswered = None  # more than the first batch: no longer retryable
             data = payload if isinstance(payload, bytes) else self._render(payload, server)
+            if not server.pending:
+                server.busy_since = self.last_active
             server.pending += owed
             server.statements.segments_sent += owed
             server.transport.write(data)  # type: ignore[union-attr]
@@ -730,6 +742,7 @@ class ClientConnection(asyncio.Protocol):
             # the same messages can go to another server.
             self.unanswered = self._queue
             self._queue = []
+            server.busy_since = self.last_active
             server.pending += self._queued_owed
             self._queued_owed = 0
             self._queued_bytes = 0
@@ -787,7 +800,7 @@ class ClientConnection(asyncio.Protocol):
         pool = self.pool
         assert pool is not None
         pool.parked.pop(self, None)
-        if pool.breaker.state is not BREAKER_CLOSED:
+        if pool.breaker.state is not BREAKER_CLOSED or pool.paused:
             # New transactions must pass the breaker: give the server back and
             # take the ordinary path, which asks it.
             server = self.detach_idle_server()

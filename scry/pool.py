@@ -73,6 +73,7 @@ class Pool:
         self._retry_handle: asyncio.TimerHandle | None = None
         self._connect_failures = 0
         self.stale = False  # config changed: retire servers as they come back
+        self.paused = False  # PAUSE: no server for new transactions until RESUME
         self.breaker = proxy.breaker_for(target.name)
         self.health = proxy.health_for(target.name)
         # (setting, value as a client wrote it) -> PostgreSQL's spelling of it
@@ -104,10 +105,16 @@ class Pool:
 
     def acquire_nowait(self) -> ServerConnection | None:
         """An idle server, already counted as active; None if the client must wait."""
+        if self.paused:
+            return None
         idle = self.idle
+        check_delay = self.proxy.config.timeouts.server_check_delay
         while idle:
             server = idle.pop()  # most recently used first: its caches are warm
             if server.state is IDLE:
+                if check_delay and self.proxy.clock - server.last_used > check_delay:
+                    self._check(server)  # idle a long time: make sure it still works
+                    continue
                 return server
         if self.parked:
             server = self._take_parked()
@@ -116,6 +123,44 @@ class Pool:
                     self._spawn()  # room to grow: the parked client will want one back
                 return server
         return None
+
+    def _check(self, server: ServerConnection) -> None:
+        """server_check_query on a long-idle server; it rejoins the pool if it answers."""
+
+        def done(ok: bool) -> None:
+            if not ok:
+                server.close("server_check_query failed")
+                self._open_for_waiters()
+                return
+            server.last_used = self.proxy.clock
+            self.release(server)
+
+        server.run_internal(self.proxy.config.timeouts.server_check_query, done)
+
+    # --- PAUSE / RESUME ---------------------------------------------------------------
+
+    def pause(self) -> None:
+        self.paused = True
+        for client in list(self.parked):  # held between transactions: take them back
+            del self.parked[client]
+            client.parked = False
+            server = client.detach_idle_server()
+            if server is not None:
+                self.release(server)
+
+    def resume(self) -> None:
+        self.paused = False
+        waiters, idle = self.waiters, self.idle
+        while waiters and idle:
+            server = idle.pop()
+            if server.state is IDLE and not waiters.popleft().attach(server):
+                idle.append(server)
+        self._open_for_waiters()
+
+    @property
+    def busy(self) -> bool:
+        """Servers are running something (linked to a client or in an internal query)."""
+        return len(self.servers) > len(self.idle)
 
     def _take_parked(self) -> ServerConnection | None:
         """Take the server of the longest-parked client, if it is still between transactions."""
@@ -152,7 +197,7 @@ class Pool:
             self._open_for_waiters()
             return
         waiters = self.waiters
-        while waiters:
+        while waiters and not self.paused:
             if waiters.popleft().attach(server):
                 return
         server.last_used = self.proxy.clock
@@ -181,6 +226,8 @@ class Pool:
     # --- opening servers -----------------------------------------------------------
 
     def _open_for_waiters(self) -> None:
+        if self.paused:
+            return
         want = min(len(self.waiters), self.size - len(self.servers)) - self.connecting
         for _ in range(max(0, want)):
             self._spawn()
@@ -381,7 +428,12 @@ class Pool:
             ):
                 server.close("server_idle_timeout")
         missing = keep - len(self.servers) - self.connecting
-        if missing > 0 and self._retry_handle is None and not self.proxy.draining:
+        if (
+            missing > 0
+            and self._retry_handle is None
+            and not self.proxy.draining
+            and not self.paused
+        ):
             for _ in range(missing):
                 self._spawn()
 

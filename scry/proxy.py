@@ -28,9 +28,11 @@ from scry.pool import Pool
 from scry.tls import client_tls, server_tls
 
 if TYPE_CHECKING:
+    from scry.adminapi import AdminServer
     from scry.client import ClientConnection
 
 JANITOR_INTERVAL = 1.0
+_TX_IDLE = ord("I")
 
 
 class Proxy:
@@ -56,6 +58,7 @@ class Proxy:
         self.observatory.query_listeners.append(self._feed_health)
         self._stopped = asyncio.Event()
         self._janitor: asyncio.Task[None] | None = None
+        self.admin: AdminServer | None = None  # the admin HTTP API (scry.adminapi)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -74,6 +77,16 @@ class Proxy:
         for sock in server.sockets:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.listeners.append(server)
+        if self.config.admin.enabled:
+            from scry.adminapi import AdminServer
+
+            admin = AdminServer(self)
+            try:
+                await admin.start()
+            except BaseException:
+                server.close()  # nothing starts half-configured
+                raise
+            self.admin = admin
         self._janitor = loop.create_task(self._janitor_loop())
         await self.observatory.start()
         event("listening", addr=self.config.listen_addr, version=__version__,
@@ -164,7 +177,7 @@ class Proxy:
                 pool.expire_waiters(wait_timeout)
                 pool.maintain(now)
             self._check_health()
-            self._expire_logins(now)
+            self._enforce_timeouts(now)
             self._reclaim_idle_pins(now)
 
     # --- breakers and health ----------------------------------------------------------
@@ -217,13 +230,78 @@ class Proxy:
             if limit and now - client.last_active >= limit:
                 client.reclaim_pinned_server("idle_unpin_seconds")
 
-    def _expire_logins(self, now: float) -> None:
-        timeout = self.config.timeouts.client_login_timeout
-        if not timeout:
+    def _enforce_timeouts(self, now: float) -> None:
+        """PgBouncer's client-side timeouts, checked once a janitor pass (about 1 s)."""
+        t = self.config.timeouts
+        if not (
+            t.client_login_timeout
+            or t.query_timeout
+            or t.idle_transaction_timeout
+            or t.client_idle_timeout
+        ):
             return
         for client in list(self.clients):
-            if client.state != "ready" and now - client.connected_clock >= timeout:
-                client.login_timed_out()
+            if client.state != "ready":
+                if (
+                    t.client_login_timeout
+                    and now - client.connected_clock >= t.client_login_timeout
+                ):
+                    client.login_timed_out()
+                continue
+            server = client.server
+            if server is not None and server.pending > 0:
+                if t.query_timeout and now - server.busy_since >= t.query_timeout:
+                    client.query_timed_out(t.query_timeout)
+                continue
+            if server is not None and server.tx_status != _TX_IDLE:
+                if (
+                    t.idle_transaction_timeout
+                    and now - server.ready_at >= t.idle_transaction_timeout
+                ):
+                    client.fatal(
+                        "25P03",
+                        "idle transaction timeout",
+                        detail=f"idle in transaction for over {t.idle_transaction_timeout:g} s "
+                        "(timeouts.idle_transaction_timeout)",
+                    )
+                continue
+            if t.client_idle_timeout and now - client.last_active >= t.client_idle_timeout:
+                client.fatal(
+                    "57P05",
+                    "client_idle_timeout",
+                    detail=f"no activity for over {t.client_idle_timeout:g} s",
+                )
+
+    # --- PAUSE / RESUME -----------------------------------------------------------------
+
+    async def pause(self, database: str | None = None, timeout: float | None = None) -> bool:
+        """PgBouncer's PAUSE: hold new transactions, let running ones finish,
+        then close the servers. Returns False if ``timeout`` passed first."""
+        pools = [p for p in self.pools.values() if database in (None, p.target.name)]
+        for pool in pools:
+            pool.pause()
+        event("paused: waiting for servers to finish", database=database or "*")
+        started = time.monotonic()
+        while any(pool.busy for pool in pools):
+            if timeout is not None and time.monotonic() - started > timeout:
+                return False
+            await asyncio.sleep(0.05)
+        for pool in pools:
+            for server in list(pool.idle):
+                server.close("pause")
+        event("paused", database=database or "*")
+        return True
+
+    def resume(self, database: str | None = None) -> None:
+        """PgBouncer's RESUME: hand servers to the queued clients again."""
+        for pool in self.pools.values():
+            if database in (None, pool.target.name):
+                pool.resume()
+        event("resumed", database=database or "*")
+
+    @property
+    def paused(self) -> bool:
+        return any(pool.paused for pool in self.pools.values())
 
     def _check_health(self) -> None:
         for pool in self.pools.values():
@@ -315,6 +393,8 @@ async def serve(config: Config, config_path: str | None = None) -> int:
     loop.add_signal_handler(signal.SIGTERM, on_stop_signal, "SIGTERM")
     loop.add_signal_handler(signal.SIGHUP, proxy.reload)
     await proxy.wait_stopped()
+    if proxy.admin is not None:
+        await proxy.admin.stop()
     await proxy.observatory.stop()
     event("stopped")
     return 0

@@ -121,6 +121,9 @@ class ServerConnection(asyncio.Protocol):
         self.retire = False  # past server_lifetime: close instead of reusing
         self.statements = ServerStatements(pool.settings.max_prepared_statements)
         self.breaker = pool.breaker
+        self.proxy = pool.proxy
+        self.busy_since = 0.0  # proxy.clock when the oldest unanswered request was sent
+        self.ready_at = 0.0  # proxy.clock when it last answered everything
         self.observe = pool.proxy.observatory.record
         self.last_tag = b""  # CommandComplete tag of the statement running now
         self.sqlstate: str | None = None  # its ErrorResponse code, if any
@@ -282,6 +285,8 @@ class ServerConnection(asyncio.Protocol):
                 if statements.expect:
                     statements.on_ready()
                 release = self.pending <= 0 and body[0] == _TX_IDLE
+                if self.pending <= 0:
+                    self.ready_at = self.proxy.clock
                 sqlstate = self.sqlstate
                 if sqlstate is not None:
                     self.sqlstate = None

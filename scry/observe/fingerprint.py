@@ -4,7 +4,8 @@ Three levels, cheapest first:
 
 0. *variant key* -> ``Variant`` (``resolve``, the pipeline's per-record
    path): the text with every digit turned into ``0`` (one ``bytes.translate``,
-   far cheaper than any regex pass). Texts that differ only in the digits of
+   far cheaper than any regex pass; hashed when it holds a quoted string, so
+   the cache keeps no string value). Texts that differ only in the digits of
    their literals share it, and because the cheap lexer's token boundaries
    depend on which bytes are digits, never on which digits, they also share
    their literal positions: a ``Variant`` carries the shape and the byte
@@ -84,6 +85,15 @@ class Shape:
 DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 
 
+def variant_key(text: bytes) -> bytes | int:
+    """The key of ``Fingerprinter.variants`` for a text: the text with its
+    digits zeroed, or, when that still holds a quoted string, its ``hash``
+    (so no string a client sent stays in the cache; 64 bits, keyed per
+    process by Python's hash secret). The pipeline inlines this."""
+    key = text.translate(DIGITS_TO_ZERO)
+    return hash(key) if b"'" in key else key
+
+
 class Variant:
     """What the drain needs of the texts that share a variant key.
 
@@ -150,7 +160,7 @@ class Fingerprinter:
         self._max_texts = max_texts
         #: Variant key -> Variant. The pipeline reads it directly (``.get``),
         #: so it is only ever cleared, never replaced.
-        self.variants: dict[bytes, Variant] = {}
+        self.variants: dict[bytes | int, Variant] = {}
         self._variants_per_shape: dict[Shape, int] = {}
         self._loose: dict[Shape, Variant] = {}
         self._max_variants = max_variants
@@ -170,7 +180,7 @@ class Fingerprinter:
         shape, literals, collapsed = self.lookup(raw)
         variants = self.variants
         if len(text) <= _MAX_VARIANT_LEN:
-            key = text.translate(DIGITS_TO_ZERO)
+            key = variant_key(text)
             per_shape = self._variants_per_shape.get(shape, 0)
             if key not in variants and per_shape < _MAX_VARIANTS_PER_SHAPE:
                 spans = literal_spans(raw)
