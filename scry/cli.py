@@ -148,6 +148,64 @@ def demo(
     raise typer.Exit(run_demo(duration=duration, clients=clients, mode=mode.value, port=port))
 
 
+@app.command()
+def tail(
+    target: Annotated[
+        str | None,
+        typer.Argument(
+            envvar="SCRY_TARGET",
+            help="Admin endpoint: http://host:port or host:port (default http://127.0.0.1:6480).",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    fingerprint: Annotated[
+        str | None,
+        typer.Option(
+            "--fingerprint", envvar="SCRY_TAIL_FINGERPRINT", help="Only this fingerprint."
+        ),
+    ] = None,
+    min_ms: Annotated[
+        float | None,
+        typer.Option(
+            "--min-ms", min=0, envvar="SCRY_TAIL_MIN_MS", help="Only statements slower than this."
+        ),
+    ] = None,
+    errors: Annotated[bool, typer.Option("--errors", help="Only failed statements.")] = False,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="SCRY_ADMIN_TOKEN", help="Admin token.", show_default=False),
+    ] = None,
+) -> None:
+    """Stream anonymized query events to stdout, one per line; Ctrl-C ends it."""
+    from admin import parse_target
+    from scry.tail import tail_main
+
+    try:
+        parse_target(target)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(
+        tail_main(
+            target, token, as_json=as_json, fingerprint=fingerprint, min_ms=min_ms, errors=errors
+        )
+    )
+
+
+events_app = typer.Typer(help="Read per-query event files written by the file sink.")
+app.add_typer(events_app, name="events")
+
+
+@events_app.command("read")
+def events_read(
+    path: Annotated[Path, typer.Argument(help="An events file (observability.events.path).")],
+) -> None:
+    """Print the events of FILE as JSON lines."""
+    from scry.observe.events import events_read_main
+
+    raise typer.Exit(events_read_main(str(path)))
+
+
 def main() -> None:
     """Console-script entry point (``scry``)."""
     app(prog_name="scry")

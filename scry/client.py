@@ -169,6 +169,7 @@ class ClientConnection(asyncio.Protocol):
         self.connected_clock = proxy.clock  # coarse monotonic, for client_login_timeout
         self.cancel_key: tuple[int, int] | None = None
         self.transaction_pooling = True
+        self.statement_pooling = False
         self.tracker: SessionTracker | None = None  # transaction and hybrid modes
         self.parked = False  # holding a server between transactions (see Pool.parked)
         self.ordinal = 0  # ReadyForQuery messages owed to this client, ever
@@ -343,6 +344,7 @@ class ClientConnection(asyncio.Protocol):
         self.pool = proxy.pool_for(target, server_user, server_password)
         mode = self.pool.mode
         self.transaction_pooling = mode != "session"
+        self.statement_pooling = mode == "statement"
         if mode != "session":
             self.tracker = SessionTracker(self.id, pinning=mode == "hybrid")
         self._auth = ClientAuthExchange(
@@ -432,6 +434,10 @@ class ClientConnection(asyncio.Protocol):
         self._reader = None
         if early:
             self._relay(early)
+
+    def refuse_transaction_block(self) -> None:
+        """Statement pooling: a transaction block was opened, which it cannot serve."""
+        self.fatal(PROTOCOL_VIOLATION, "transaction blocks not allowed in statement pooling mode")
 
     def query_timed_out(self, limit: float) -> None:
         """query_timeout: cancel the query on PostgreSQL, close this client (PgBouncer's way)."""

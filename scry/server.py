@@ -287,6 +287,8 @@ class ServerConnection(asyncio.Protocol):
                 release = self.pending <= 0 and body[0] == _TX_IDLE
                 if self.pending <= 0:
                     self.ready_at = self.proxy.clock
+                    if body[0] != _TX_IDLE and client.statement_pooling:
+                        client.refuse_transaction_block()
                 sqlstate = self.sqlstate
                 if sqlstate is not None:
                     self.sqlstate = None
@@ -329,8 +331,8 @@ class ServerConnection(asyncio.Protocol):
                     client=client.id,
                     error=m.parse_fields(body).get("M", ""),
                 )
-        if self.swallow:
-            return  # still inside our own query's response
+        if self.swallow or self.state is CLOSED:
+            return  # inside our own query's response, or the client was just dropped
         if drops is not None:
             # Cut the 5-byte responses to statements scry prepared or closed itself.
             pieces, start = [], 0

@@ -301,7 +301,9 @@ class AdminServer:
         return summary
 
     async def status(self, request: web.Request) -> web.Response:
-        return _model_response(views.status(self.proxy, self.address, self._stats_summary()))
+        return _model_response(
+            views.status(self.proxy, self.address, self._stats_summary(), self._paused())
+        )
 
     async def pools(self, request: web.Request) -> web.Response:
         return _model_response(views.pools(self.proxy))
@@ -467,20 +469,35 @@ class AdminServer:
             )
         )
 
+    def _database_param(self, request: web.Request) -> str | None:
+        database = request.query.get("database") or None
+        if database is not None and database not in self.proxy.targets:
+            raise ApiError(404, "not_found", f"no database {database!r}")
+        return database
+
     async def pause(self, request: web.Request) -> web.Response:
-        raise ApiError(
-            501,
-            "not_implemented",
-            "PAUSE is not implemented by this proxy yet; use the circuit breaker "
-            "(POST /api/v1/breaker/trip) to stop new transactions",
+        database = self._database_param(request)
+        wait = _float_param(request, "wait", 0.0, 60.0)
+        pause = getattr(self.proxy, "pause", None)
+        if pause is None:
+            raise ApiError(501, "not_implemented", "PAUSE is not implemented by this proxy")
+        complete = await pause(database, 5.0 if wait is None else wait)
+        return _model_response(
+            s.PauseResult(paused=self._paused(), database=database, complete=bool(complete))
         )
 
     async def resume(self, request: web.Request) -> web.Response:
-        raise ApiError(
-            501,
-            "not_implemented",
-            "RESUME is not implemented by this proxy yet (there is no PAUSE to resume from)",
+        database = self._database_param(request)
+        resume = getattr(self.proxy, "resume", None)
+        if resume is None:
+            raise ApiError(501, "not_implemented", "RESUME is not implemented by this proxy")
+        resume(database)
+        return _model_response(
+            s.PauseResult(paused=self._paused(), database=database, complete=True)
         )
+
+    def _paused(self) -> bool:
+        return bool(getattr(self.proxy, "paused", False))
 
     async def reload(self, request: web.Request) -> web.Response:
         proxy = self.proxy
