@@ -1,9 +1,21 @@
-"""Micro-benchmark of the observability drain: µs per query record, no sockets.
+"""Micro-benchmark of the observability drain: µs of CPU per query record, no sockets.
 
-Feeds pgbench -S-like records (every text a different literal:
-``SELECT abalance FROM pgbench_accounts WHERE aid = 4242;``) through
-``Observatory.record`` and ``Observatory.drain`` and prints the cost of each
-stage, plus the event path (ring + FlexBuffers/gzip encoding):
+Feeds records shaped the way the proxy builds them (a simple-protocol Query
+body keeps its trailing NUL, ``rows`` is the raw CommandComplete tag) through
+``Observatory.record`` and ``Observatory.drain`` and prints the cost per record
+for two workloads:
+
+pgbench
+    ``pgbench -S``: ``SELECT abalance FROM pgbench_accounts WHERE aid = N;``
+    with a different ``N`` (1..1,000,000, scale 10) in nearly every record.
+mixed
+    the e-commerce mix of ``scry.workload`` (browse, product, search, history,
+    order, checkout transactions, the occasional slow or failing query, and a
+    session client's ``EXECUTE``/``SHOW``).
+
+and three configurations: no event sink; an event sink (drain + ring, then
+encoding and writing the batches to a file as the shipper does); and the
+proxy's health listener fed per record::
 
     .venv/bin/python benchmarks/observe_cost.py [N]
     .venv/bin/python -m cProfile -s tottime benchmarks/observe_cost.py | head -40
@@ -14,94 +26,133 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
+from scry import workload
 from scry.config import ObservabilityConfig
+from scry.health import HealthMonitor
 from scry.observe.events import encode_batch
 from scry.observe.pipeline import Observatory
 from scry.observe.record import ClientContext
+from scry.observe.sinks import FileSink
 
-TEXT = b"SELECT abalance FROM pgbench_accounts WHERE aid = %d;"
+PGBENCH = b"SELECT abalance FROM pgbench_accounts WHERE aid = %d;"
+DRAIN_CHUNK = 1_000  # Observatory.drain_chunk, about one drain interval at 10k queries/s
 
 
-def make_records(n: int) -> list[tuple]:
-    ctx = ClientContext("c1", "bench", "bench", "pgbench")
+def _contexts(n: int, database: str, app: str) -> list[ClientContext]:
+    return [ClientContext(f"c{i}", database, "bench", app) for i in range(n)]
+
+
+def pgbench_records(n: int) -> list[tuple]:
+    ctxs = _contexts(50, "bench", "pgbench")
     rng = random.Random(1)
     now = time.perf_counter_ns()
     out = []
     for i in range(n):
-        t0 = now + i * 60_000
-        text = TEXT % rng.randrange(1, 10_000_000)
-        out.append((ctx, text, t0, t0 + 1_000, t0 + 1_000, t0 + 55_000, 1, None, None))
+        t0 = now + i * 50_000
+        text = PGBENCH % rng.randrange(1, 1_000_001) + b"\x00"
+        total = 40_000 + int(rng.expovariate(1 / 30_000))
+        queue = 500 + rng.randrange(2_000)
+        out.append(
+            (
+                ctxs[i % 50],
+                text,
+                t0,
+                t0 + queue,
+                t0 + queue,
+                t0 + total,
+                b"SELECT 1\x00",
+                None,
+                None,
+            )
+        )
     return out
 
 
-def best_of(fn, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        best = min(best, fn())
-    return best
+def _mixed_texts(rng: random.Random) -> list[tuple[bytes, bytes, str | None]]:
+    """One client turn: [(text, CommandComplete tag, sqlstate)]."""
+    kinds = list(workload.MIX)
+    weights = [workload.MIX[k] for k in kinds]
+    kind = workload._choose_kind(rng, kinds, weights)
+    if kind == "checkout":
+        cid = workload._hot_id(rng, workload.CUSTOMERS)
+        oid = rng.randrange(10_000, 99_999)
+        items = sorted(
+            (workload._hot_id(rng, workload.PRODUCTS), rng.randint(1, 3))
+            for _ in range(rng.randint(1, 3))
+        )
+        values = ", ".join(
+            f"({oid}, {line}, {pid}, {qty}, (SELECT price FROM products WHERE id = {pid}))"
+            for line, (pid, qty) in enumerate(items, 1)
+        )
+        turn = [
+            ("BEGIN", "BEGIN", None),
+            (
+                f"INSERT INTO orders (customer_id, created_at, status) VALUES ({cid}, now(), "
+                "'pending') RETURNING id",
+                "INSERT 0 1",
+                None,
+            ),
+            (
+                "INSERT INTO order_items (order_id, line, product_id, quantity, unit_price) "
+                f"VALUES {values}",
+                f"INSERT 0 {len(items)}",
+                None,
+            ),
+            (
+                "UPDATE orders SET total = (SELECT sum(quantity * unit_price) FROM order_items "
+                f"WHERE order_id = {oid}) WHERE id = {oid}",
+                "UPDATE 1",
+                None,
+            ),
+            *(
+                (
+                    f"UPDATE products SET stock = greatest(stock - {qty}, 0) WHERE id = {pid}",
+                    "UPDATE 1",
+                    None,
+                )  # fmt: skip
+                for pid, qty in items
+            ),
+            ("COMMIT", "COMMIT", None),
+        ]
+    elif rng.random() < 0.05:  # the session client
+        if rng.random() < 0.05:
+            turn = [("SHOW statement_timeout", "SHOW", None)]
+        else:
+            pid = workload._hot_id(rng, workload.PRODUCTS)
+            turn = [(f"EXECUTE demo_product({pid})", "SELECT 1", None)]
+    else:
+        text = workload._SQL[kind](rng)
+        sqlstate = None
+        tag = f"SELECT {rng.choice((1, 10, 20))}"
+        if kind == "error":
+            sqlstate = "42703" if text.startswith("SELECT") else "23505"
+            tag = ""
+        turn = [(text, tag, sqlstate)]
+    return [(t.encode() + b"\x00", tag.encode() + b"\x00", s) for t, tag, s in turn]
 
 
-def bench(n: int) -> None:
-    records = make_records(n)
-    texts = [r[1] for r in records]
-
-    obs = Observatory(ObservabilityConfig())
-    fp = obs.fingerprinter
-    fp.lookup(texts[0])  # the one pglast parse for this shape
-
-    def fingerprint_only() -> float:
-        t = time.process_time()
-        for text in texts:
-            fp.lookup(text)
-        return (time.process_time() - t) / n * 1e6
-
-    def record_only() -> float:
-        obs._records.clear()
-        t = time.process_time()
-        rec = obs.record
-        for r in records:
-            rec(r)
-        return (time.process_time() - t) / n * 1e6
-
-    def drain(o: Observatory) -> float:
-        o._records.extend(records)
-        t = time.process_time()
-        o.drain()
-        return (time.process_time() - t) / n * 1e6
-
-    print(f"records: {n} distinct-literal pgbench -S texts, one shape")
-    print(f"  record() (hot path append)     {best_of(record_only):6.2f} µs")
-    obs._records.clear()
-    print(f"  fingerprint (cached shape)     {best_of(fingerprint_only):6.2f} µs")
-    print(f"  drain, sink none               {best_of(lambda: drain(obs)):6.2f} µs")
-
-    events_obs = Observatory(ObservabilityConfig(), sink=_CountingSink())
-    drain(events_obs)
-
-    def drain_with_events() -> float:
-        events_obs.ring.take(len(events_obs.ring))
-        return drain(events_obs)
-
-    print(f"  drain + event into ring        {best_of(drain_with_events):6.2f} µs")
-    batch = events_obs.ring.take(100) or [()]
-    for compression in ("gzip", "none"):
-        t = time.process_time()
-        for _ in range(50):
-            encode_batch(batch, compression)
-        per_event = (time.process_time() - t) / 50 / len(batch) * 1e6
-        print(f"  encode batch of 100, {compression:4s}      {per_event:6.2f} µs per event")
-    off = Observatory(ObservabilityConfig(fingerprinting=False))
-    print(f"  record(), fingerprinting off   {best_of(lambda: _time_calls(off, records)):6.2f} µs")
+def mixed_records(n: int) -> list[tuple]:
+    ctxs = _contexts(8, "shop", "scry-demo")
+    rng = random.Random(2)
+    now = time.perf_counter_ns()
+    out: list[tuple] = []
+    while len(out) < n:
+        ctx = ctxs[len(out) % len(ctxs)]
+        for text, tag, sqlstate in _mixed_texts(rng):
+            t0 = now + len(out) * 50_000
+            total = 80_000 + int(rng.expovariate(1 / 200_000))
+            queue = 500 + rng.randrange(2_000)
+            out.append((ctx, text, t0, t0 + queue, t0 + queue, t0 + total, tag, sqlstate, None))
+    return out[:n]
 
 
-def _time_calls(obs: Observatory, records: list[tuple]) -> float:
-    t = time.process_time()
-    rec = obs.record
-    for r in records:
-        rec(r)
-    return (time.process_time() - t) / len(records) * 1e6
+def best_of(fn: Callable[[], float], repeats: int = 5) -> float:
+    return min(fn() for _ in range(repeats))
 
 
 class _CountingSink:
@@ -110,6 +161,107 @@ class _CountingSink:
 
     async def close(self) -> None:
         return None
+
+
+def _drain_all(obs: Observatory, records: list[tuple]) -> float:
+    """µs of CPU per record to drain ``records`` in drain-sized chunks."""
+    obs._records.extend(records)
+    t = time.process_time()
+    while obs.drain(DRAIN_CHUNK):
+        pass
+    return (time.process_time() - t) / len(records) * 1e6
+
+
+def bench_workload(name: str, records: list[tuple], tmp: Path) -> None:
+    n = len(records)
+    print(f"{name}: {n} records")
+    # Warm every shape once (their pglast parses are a one-off cost).
+    plain = Observatory(ObservabilityConfig())
+    _drain_all(plain, records)
+    print(f"  drain, sink none               {best_of(lambda: _drain_all(plain, records)):6.2f} µs")
+
+    with_events = Observatory(ObservabilityConfig(), sink=_CountingSink())
+    _drain_all(with_events, records)
+    sink = FileSink(tmp / f"{name}.events")
+
+    def drain_and_ship() -> float:
+        ring = with_events.ring
+        ring.take(len(ring))
+        with_events._records.extend(records)
+        t = time.process_time()
+        while with_events.drain(DRAIN_CHUNK):
+            while batch := ring.take(500):  # what the shipper does per batch
+                payload, flags = encode_batch(batch, "gzip")
+                sink._write(_frame(payload, flags))
+        return (time.process_time() - t) / n * 1e6
+
+    def drain_events_only() -> float:
+        with_events.ring.take(len(with_events.ring))
+        return _drain_all(with_events, records)
+
+    print(f"  drain + event into ring        {best_of(drain_events_only):6.2f} µs")
+    print(f"  drain + events to a file sink  {best_of(drain_and_ship):6.2f} µs")
+
+    listened = Observatory(ObservabilityConfig())
+    monitors = {"bench": HealthMonitor(), "shop": HealthMonitor()}
+
+    def feed_health(database: str, total_us: int, sqlstate: str | None) -> None:
+        # scry.proxy.Proxy._feed_health, without the proxy
+        monitor = monitors.get(database)
+        if monitor is not None:
+            monitor.observe_query(total_us / 1e6, sqlstate is not None)
+
+    listened.query_listeners.append(feed_health)
+    _drain_all(listened, records)
+    print(
+        f"  drain + health listener        {best_of(lambda: _drain_all(listened, records)):6.2f} µs"
+    )
+
+
+def _frame(payload: bytes, flags: int) -> bytes:
+    from scry.observe.events import frame
+
+    return frame(payload, flags)
+
+
+def bench(n: int) -> None:
+    pgbench = pgbench_records(n)
+    obs = Observatory(ObservabilityConfig())
+    obs._records.clear()
+
+    def record_only() -> float:
+        obs._records.clear()
+        t = time.process_time()
+        rec = obs.record
+        for r in pgbench:
+            rec(r)
+        return (time.process_time() - t) / n * 1e6
+
+    print(f"record() (hot path append)       {best_of(record_only):6.2f} µs")
+    off = Observatory(ObservabilityConfig(fingerprinting=False))
+    print(f"record(), fingerprinting off     {best_of(lambda: _time_calls(off, pgbench)):6.2f} µs")
+    with tempfile.TemporaryDirectory() as tmp:
+        bench_workload("pgbench", pgbench, Path(tmp))
+        bench_workload("mixed", mixed_records(n), Path(tmp))
+        for events in (pgbench[:500], mixed_records(500)):
+            drained = Observatory(ObservabilityConfig(), sink=_CountingSink())
+            drained._records.extend(events)
+            drained.drain()
+            batch = drained.ring.take(500)
+            for compression in ("gzip", "none"):
+                t = time.process_time()
+                for _ in range(20):
+                    encode_batch(batch, compression)
+                per_event = (time.process_time() - t) / 20 / len(batch) * 1e6
+                print(f"encode batch of 500, {compression:4s}       {per_event:6.2f} µs per event")
+
+
+def _time_calls(obs: Observatory, records: list[tuple]) -> float:
+    t = time.process_time()
+    rec = obs.record
+    for r in records:
+        rec(r)
+    return (time.process_time() - t) / len(records) * 1e6
 
 
 if __name__ == "__main__":

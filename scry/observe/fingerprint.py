@@ -91,7 +91,7 @@ def variant_key(text: bytes) -> bytes | int:
     (so no string a client sent stays in the cache; 64 bits, keyed per
     process by Python's hash secret). The pipeline inlines this."""
     key = text.translate(DIGITS_TO_ZERO)
-    return hash(key) if b"'" in key else key
+    return key if 39 not in key else hash(key)  # 39 is "'" (an int: memchr, much faster)
 
 
 class Variant:
@@ -319,11 +319,11 @@ def lookup_values(
 def value_key(column: str, literal: bytes | str) -> bytes:
     """The sketch key of one lookup value: ``table.column``, NUL, the literal
     token without its string quotes. Only ever hashed, never kept."""
-    if literal.__class__ is str:
-        literal = literal.encode("utf-8", "surrogatepass")  # type: ignore[union-attr]
+    if isinstance(literal, str):
+        literal = literal.encode("utf-8", "surrogatepass")
     if literal[:1] == b"'":
         literal = literal[1:-1]
-    return column.encode("utf-8", "surrogatepass") + b"\0" + literal  # type: ignore[operator]
+    return column.encode("utf-8", "surrogatepass") + b"\0" + literal
 
 
 def _value_span(column: str, text: bytes, start: int, end: int) -> tuple[bytes, int, int]:

@@ -16,13 +16,28 @@ from collections.abc import Iterable
 from itertools import repeat
 
 try:
-    from _collections import _count_elements as count_elements  # what Counter.update runs, in C
+    from _collections import (  # type: ignore[import-not-found]
+        _count_elements as count_elements,  # what Counter.update runs, in C
+    )
 except ImportError:  # pragma: no cover - other interpreters
 
     def count_elements(mapping: dict, iterable: Iterable) -> None:  # type: ignore[type-arg]
         for element in iterable:
             mapping[element] = mapping.get(element, 0) + 1
 
+
+__all__ = [
+    "RELATIVE_ERROR",
+    "SUB_BITS",
+    "LogHistogram",
+    "add_sorted_ns",
+    "bucket_bounds",
+    "bucket_of",
+    "bucket_value",
+    "count_elements",
+    "merge_into",
+    "percentiles",
+]
 
 SUB_BITS = 5
 _DIRECT = 1 << (SUB_BITS + 1)  # 64: values below have their own bucket

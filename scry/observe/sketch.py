@@ -114,6 +114,14 @@ class TopK:
         self._find_min()
         return True
 
+    def floor(self) -> int | None:
+        """The estimate a new key must beat to be admitted, when known
+        without a scan; None when the table is not full (or the minimum is
+        not known)."""
+        if self._min_key is None or len(self.counts) < self.k:
+            return None
+        return self._min_value
+
     def _find_min(self) -> None:
         self._min_key = min(self.counts, key=self.counts.__getitem__)
         self._min_value = self.counts[self._min_key]
@@ -170,8 +178,8 @@ class HotData:
 
     def add_value(self, column: str, literal: bytes | str) -> None:
         """Count one lookup of ``column`` (``table.column``) by a literal token."""
-        if literal.__class__ is str:
-            literal = literal.encode("utf-8", "surrogatepass")  # type: ignore[union-attr]
+        if isinstance(literal, str):
+            literal = literal.encode("utf-8", "surrogatepass")
         if literal[:1] == b"'":
             literal = literal[1:-1]
         prefix = self._column_prefix.get(column)
@@ -179,7 +187,7 @@ class HotData:
             if len(self._column_prefix) > 100_000:
                 self._column_prefix.clear()
             prefix = self._column_prefix[column] = column.encode("utf-8", "surrogatepass") + b"\0"
-        self.add_values({prefix + literal: 1})  # type: ignore[operator]
+        self.add_values({prefix + literal: 1})
 
     def add_values(self, counts: dict[bytes, int]) -> None:
         """Count lookup values given as ``fingerprint.value_key`` -> count
@@ -190,35 +198,38 @@ class HotData:
         # kept, not admitted) inlined: this runs once per distinct value.
         copy = self._hasher.copy
         length = self._digest_len
+        full = length <= 32  # digest() without a length: 32 bytes, the cheapest call
         cms = self.values
         cells = cms._counts
-        unpack = cms._unpack
+        unpack = struct.Struct(f"<{cms.depth}I").unpack_from
         width = cms.width
         offsets = cms._offsets
         depth4 = cms.depth == 4  # the default, unrolled
         offset2, offset3 = 2 * width, 3 * width
         top = self.top_values
         kept = top.counts
-        k = top.k
         offer = top.offer
-        labels = top.labels
-        floor = top._min_value if top._min_key is not None else None
-        added = 0
+        floor = top.floor()
         for key, count in counts.items():
             h = copy()
             h.update(key)
-            digest = h.digest(length=length)
+            digest = h.digest() if full else h.digest(length=length)
             if depth4:
                 a, b, c, d = unpack(digest)
                 a %= width
                 b = b % width + width
                 c = c % width + offset2
                 d = d % width + offset3
-                cells[a] = ca = cells[a] + count
+                cells[a] = estimate = cells[a] + count
                 cells[b] = cb = cells[b] + count
                 cells[c] = cc = cells[c] + count
                 cells[d] = cd = cells[d] + count
-                estimate = min(ca, cb, cc, cd)
+                if cb < estimate:
+                    estimate = cb
+                if cc < estimate:
+                    estimate = cc
+                if cd < estimate:
+                    estimate = cd
             else:
                 estimate = -1
                 for v, offset in zip(unpack(digest), offsets):  # noqa: B905
@@ -227,14 +238,13 @@ class HotData:
                     cells[i] = c
                     if c < estimate or estimate < 0:
                         estimate = c
-            added += count
-            if floor is not None and estimate <= floor and len(kept) >= k and digest not in kept:
+            if floor is not None and estimate <= floor and digest not in kept:
                 continue  # would not be admitted
             if offer(digest, estimate):
                 column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
-                labels[digest] = (column, f"#{short_token(digest)}…")
-            floor = top._min_value if top._min_key is not None else None
-        cms.total += added
+                top.labels[digest] = (column, f"#{short_token(digest)}…")
+            floor = top.floor()
+        cms.total += sum(counts.values())
 
     def maybe_decay(self, now: float | None = None) -> bool:
         """Halve everything if a decay interval passed; True if it did."""

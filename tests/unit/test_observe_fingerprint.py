@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scry.observe.anonymize import Anonymizer
-from scry.observe.fingerprint import Fingerprinter, lookup_values
+from scry.observe.fingerprint import Fingerprinter, lookup_values, value_key, variant_key
 from scry.observe.lexer import canonical, render, shape_of, tables_by_lexer
 
 
@@ -148,3 +148,76 @@ def test_lookup_values(fp: Fingerprinter) -> None:
     text = b"SELECT * FROM t WHERE id = $1"
     shape, literals, collapsed = fp.lookup(text)
     assert lookup_values(shape, text, literals, collapsed) == []  # no bind values here
+
+
+VARIANT_TEXTS = [
+    b"SELECT abalance FROM pgbench_accounts WHERE aid = 4242;\x00",
+    b"SELECT abalance FROM pgbench_accounts WHERE aid = 9999;\x00",  # 4242's variant key
+    b"SELECT abalance FROM pgbench_accounts WHERE aid = 17;\x00",
+    b"SELECT abalance FROM pgbench_accounts WHERE aid = 17;",  # extended protocol: no NUL
+    b"SELECT * FROM t1 WHERE id = 5",
+    b"SELECT * FROM t2 WHERE id = 7",  # t1's variant key, another table
+    b"SELECT * FROM t1 WHERE id = 8",
+    b"SELECT * FROM t WHERE name = 'ab1' AND id IN (1, 2, 3)",
+    b"SELECT * FROM t WHERE name = 'ab2' AND id IN (4, 5, 6)",
+    b"SELECT * FROM t WHERE name = 'it''s' AND id = 12",
+    b"SELECT * FROM t WHERE id = $1",
+    b"SELECT * FROM t WHERE id = 5 -- comment 7",
+    b'SELECT * FROM "t1" WHERE id = 5',
+    b"UPDATE pgbench_accounts SET abalance = abalance + -4321 WHERE aid = 77;\x00",
+    b"SELECT 0x1F, 1.5e3, .5 FROM t WHERE id = 00",
+    b"SELECT o.id FROM orders o JOIN customers c ON c.id = o.customer_id WHERE o.id = 31",
+    b"SELEC broken FROM t WHERE x = 'secret' AND y = 12",
+]
+
+
+def _drain_view(fp: Fingerprinter, text: bytes) -> tuple[str, list[bytes]]:
+    """What the pipeline's drain gets for one text: fingerprint, hot value keys."""
+    variant = fp.variants.get(variant_key(text))
+    keys: tuple[bytes, ...] = ()
+    if variant is None or not variant.matches(text):
+        variant, keys = fp.resolve(text)
+    counts: dict[bytes, int] = dict.fromkeys(keys, 1)
+    variant.count_values([text], counts)
+    return variant.shape.fingerprint, sorted(counts)
+
+
+def test_variants_agree_with_lookup(fp: Fingerprinter) -> None:
+    reference = Fingerprinter(Anonymizer("test-key"))
+    for _ in range(2):  # the second round is served by the variant cache
+        for text in VARIANT_TEXTS:
+            raw = text[:-1] if text.endswith(b"\x00") else text
+            shape, literals, collapsed = reference.lookup(raw)
+            expected = sorted(
+                value_key(column, literal)
+                for column, literal in lookup_values(shape, raw, literals, collapsed)
+            )
+            assert _drain_view(fp, text) == (shape.fingerprint, expected), text
+    assert fp.variants  # pgbench-like texts were kept
+    t1 = fp.fingerprint("SELECT * FROM t1 WHERE id = 1").fingerprint
+    assert _drain_view(fp, b"SELECT * FROM t2 WHERE id = 9")[0] != t1
+
+
+def test_variant_spans_slice_values(fp: Fingerprinter) -> None:
+    text = b"SELECT * FROM t WHERE name = 'ab1' AND id = 12;\x00"
+    variant, keys = fp.resolve(text)
+    assert keys == ()
+    counts: dict[bytes, int] = {}
+    variant.count_values([text, b"SELECT * FROM t WHERE name = 'xy9' AND id = 34;\x00"], counts)
+    assert counts == {b"t.name\0ab1": 1, b"t.id\x0012": 1, b"t.name\0xy9": 1, b"t.id\x0034": 1}
+
+
+def test_variant_cache_keeps_no_value(fp: Fingerprinter) -> None:
+    for text in (b"SELECT * FROM t WHERE name = 'Alice' AND id = 4242", b"SELECT 31337"):
+        fp.resolve(text)
+    assert fp.variants and not any(
+        isinstance(key, bytes) and (b"Alice" in key or b"4242" in key or b"31337" in key)
+        for key in fp.variants
+    )
+
+
+def test_variant_cache_is_bounded() -> None:
+    fp = Fingerprinter(None, max_variants=5)
+    for i in range(40):
+        fp.resolve(f"SELECT * FROM t WHERE name = 'n{i}'".encode())
+    assert 0 < len(fp.variants) <= 5

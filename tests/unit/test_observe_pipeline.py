@@ -231,3 +231,70 @@ def test_a_bad_record_does_not_stop_the_drain() -> None:
     obs.record(_record(clocks, ClientContext("c", "d", "u", "a"), "SELECT 1", 10))
     assert obs.drain() == 2
     assert obs.record_failures == 1 and obs.stats_summary()["queries"] == 1
+
+
+def test_chunked_drain_equals_per_record_accounting() -> None:
+    """The drain sums up per shape and per database; the result must be what
+    counting every record on its own gives (StatsTable.add, observe_query)."""
+    import random
+
+    from scry.observe.metrics import ObserveMetrics
+    from scry.observe.stats import StatsTable
+
+    clocks = Clocks()
+    obs = _observatory(clocks)
+    heard: list[tuple[str, int, str | None]] = []
+    obs.query_listeners.append(lambda *args: heard.append(args))
+    reference_stats = StatsTable(obs.config.max_fingerprints, clock=clocks.clock)
+    reference_metrics = ObserveMetrics()
+    contexts = [ClientContext(f"c{i}", db, "u", "a") for i, db in enumerate(["d1", "d2", "d1"])]
+    rng = random.Random(5)
+    texts = [
+        "SELECT * FROM users WHERE id = {}",
+        "UPDATE t SET x = 1 WHERE id IN ({}, 2)",
+        "SELECT 1",
+    ]
+    expected_heard = []
+    for i in range(3_000):
+        clocks.advance(0.004)  # 12 s in all: crosses stats slots between drains and within
+        ctx = contexts[i % 3]
+        template = texts[rng.randrange(3)]
+        total_us = int(rng.expovariate(1 / 2_000))
+        queue_us = rng.choice((0, 0, 150))
+        sqlstate = "57014" if i % 97 == 0 else None
+        pins = ("set",) if i % 50 == 0 else None
+        rec = list(_record(clocks, ctx, template.format(i) + "\0", total_us, queue_us=queue_us))
+        rec[6], rec[7], rec[8] = b"SELECT 3\0", sqlstate, pins
+        obs.record(tuple(rec))  # type: ignore[arg-type]
+        shape = obs.fingerprinter.fingerprint(template.format(i))
+        ts = rec[5] / 1e9 + obs._wall_offset
+        reference_stats.add(
+            shape.fingerprint, shape.normalized, ts, total_us, queue_us, total_us - queue_us,
+            3, sqlstate is not None,
+        )  # fmt: skip
+        reference_metrics.observe_query(
+            ctx.database, total_us, queue_us, 0, total_us - queue_us, sqlstate is not None, pins
+        )
+        expected_heard.append((ctx.database, total_us, sqlstate))
+        if i % 700 == 0:
+            obs.drain()
+    obs.drain()
+    assert obs.record_failures == 0
+    for window in (None, 5, 60):
+        assert obs.stats.top("calls", 10, window) == reference_stats.top("calls", 10, window)
+    assert obs.stats.summary() == reference_stats.summary()
+    assert sorted(heard, key=repr) == sorted(expected_heard, key=repr)
+    mine, theirs = obs.metrics_text().splitlines(), reference_metrics.text().decode().splitlines()
+    wanted = ("scry_database_query", "scry_query_", "scry_pinned", "scry_queries")
+    assert [line for line in mine if line.startswith(wanted)] == [
+        line for line in theirs if line.startswith(wanted)
+    ]
+
+
+def test_event_ring_extend_counts_drops() -> None:
+    from scry.observe.events import EventRing
+
+    ring = EventRing(5)
+    ring.extend([(i,) for i in range(3)])
+    ring.extend([(i,) for i in range(3, 10)])
+    assert ring.pushed == 10 and ring.dropped == 5 and ring.take(10) == [(i,) for i in range(5, 10)]

@@ -104,3 +104,23 @@ def test_value_tokens_depend_on_the_key() -> None:
         hot.add_value("t.c", b"'secret'")
     assert a.hot()["values"][0]["value"] != b.hot()["values"][0]["value"]
     assert "secret" not in repr(a.hot())
+
+
+def test_add_values_matches_add_value_one_by_one() -> None:
+    rng = random.Random(7)
+    literals = [str(int(rng.paretovariate(1.0))).encode() for _ in range(2_000)]
+    for depth in (4, 3):  # the unrolled default and the generic loop
+        one = HotData(Anonymizer("k"), top_k=10, width=64, depth=depth)
+        many = HotData(Anonymizer("k"), top_k=10, width=64, depth=depth)
+        for literal in literals:
+            one.add_value("t.c", literal)
+        counts = Counter(b"t.c\0" + literal for literal in literals)
+        many.add_values(dict(counts))
+        assert many.values._counts == one.values._counts
+        assert many.values.total == one.values.total == 2_000
+        # One offer per key (not per use): the estimates the Top-K keeps may
+        # differ by collisions, never below the true counts; same leaders.
+        top_many, top_one = many.hot(3)["values"], one.hot(3)["values"]
+        assert [v["value"] for v in top_many] == [v["value"] for v in top_one]
+        exact = sorted(counts.values(), reverse=True)[:3]
+        assert all(v["count"] >= n for v, n in zip(top_many, exact, strict=True))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from scry.observe.histogram import (
     RELATIVE_ERROR,
     LogHistogram,
+    add_sorted_ns,
     bucket_bounds,
     bucket_of,
     percentiles,
@@ -132,3 +133,35 @@ def test_lru_eviction_is_counted_and_totals_stay_exact() -> None:
     summary = table.summary()
     assert summary["queries"] == 5 and summary["evicted_fingerprints"] == 1
     assert summary["window_queries"] == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-5_000, max_value=(1 << 42) * 1000), max_size=300))
+def test_add_sorted_ns_counts_like_bucket_of(values: list[int]) -> None:
+    counts: dict[int, int] = {}
+    add_sorted_ns(counts, sorted(values))
+    expected: dict[int, int] = {}
+    for v in values:
+        b = bucket_of(min(max(v // 1000, 0), (1 << 40) - 1))
+        expected[b] = expected.get(b, 0) + 1
+    assert counts == expected
+
+
+def test_add_group_equals_adds() -> None:
+    rng = random.Random(3)
+    one, grouped = StatsTable(10), StatsTable(10)
+    values = [int(rng.expovariate(1 / 500)) for _ in range(200)]
+    for v in values:
+        one.add("f", "q", 1_000.5, v, 3, v - 3, 2, v % 7 == 0)
+    hist: dict[int, int] = {}
+    for v in values:
+        hist[bucket_of(v)] = hist.get(bucket_of(v), 0) + 1
+    grouped.add_group(
+        "f", "q", 1_000.5, 1_000.5, len(values), sum(v % 7 == 0 for v in values),
+        2 * len(values), sum(values), 3 * len(values), sum(values) - 3 * len(values),
+        min(values), max(values), hist,
+    )  # fmt: skip
+    assert one.top("calls", now=1_001) == grouped.top("calls", now=1_001)
+    assert one.top("p99", window_seconds=5, now=1_001) == grouped.top(
+        "p99", window_seconds=5, now=1_001
+    )
