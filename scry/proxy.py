@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import signal
 import socket
 import time
@@ -24,8 +23,10 @@ from scry.config import Config, ConfigError, DatabaseTarget, load_config
 from scry.health import HealthMonitor
 from scry.log import event, setup_logging
 from scry.observe.pipeline import Observatory
+from scry.peering import KEY_MASK, Peering, new_cancel_key
 from scry.pool import Pool
 from scry.tls import client_tls, server_tls
+from scry.workers import WorkerIdentity
 
 if TYPE_CHECKING:
     from scry.adminapi import AdminServer
@@ -38,7 +39,13 @@ _TX_IDLE = ord("I")
 class Proxy:
     """One scry instance on one event loop."""
 
-    def __init__(self, config: Config, config_path: str | None = None) -> None:
+    def __init__(
+        self, config: Config, config_path: str | None = None, identity: WorkerIdentity | None = None
+    ) -> None:
+        # Workers (scry.workers): this process's share of the fleet budgets.
+        self.identity = identity or WorkerIdentity(instance=os.getpid())
+        self.worker_id = self.identity.worker_id
+        config = self.identity.share_of(config)
         self.config = config
         self.config_path = config_path
         self.targets: dict[str, DatabaseTarget] = config.targets()
@@ -59,6 +66,8 @@ class Proxy:
         self._stopped = asyncio.Event()
         self._janitor: asyncio.Task[None] | None = None
         self.admin: AdminServer | None = None  # the admin HTTP API (scry.adminapi)
+        self.peering = Peering(self)  # cancel forwarding, shared breakers (scry.peering)
+        self._wait_for_clients = False
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -67,16 +76,30 @@ class Proxy:
 
         host, port = self.config.listen_host_port
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: ClientConnection(self),
-            host,
-            port,
-            reuse_address=True,
-            backlog=4096,
-        )
+        # SO_REUSEPORT: workers share the port, and a rolling restart can bind it
+        # while the old instance drains (scry.peering checks nobody else serves it).
+        inherited = self.peering.take_over_listeners()
+        if inherited:
+            server = await loop.create_server(
+                lambda: ClientConnection(self), sock=inherited[0], backlog=4096
+            )
+            for sock in inherited[1:]:  # an old instance with several workers
+                self.listeners.append(
+                    await loop.create_server(lambda: ClientConnection(self), sock=sock)
+                )
+        else:
+            server = await loop.create_server(
+                lambda: ClientConnection(self),
+                host,
+                port,
+                reuse_address=True,
+                reuse_port=hasattr(socket, "SO_REUSEPORT"),
+                backlog=4096,
+            )
         for sock in server.sockets:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.listeners.append(server)
+        self.listeners.insert(0, server)
+        await self.peering.start()
         if self.config.admin.enabled:
             from scry.adminapi import AdminServer
 
@@ -100,11 +123,19 @@ class Proxy:
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
-    def begin_drain(self) -> None:
-        """Stop accepting; finish running transactions; then stop."""
+    def begin_drain(self, wait_for_clients: bool = False) -> None:
+        """Stop accepting; finish running transactions; then stop.
+
+        ``wait_for_clients`` (a rolling restart; PgBouncer's SHUTDOWN
+        WAIT_FOR_CLIENTS): keep serving connected clients until they leave.
+        A later plain drain (SIGTERM) stops waiting for them.
+        """
         if self.draining:
+            self._wait_for_clients = self._wait_for_clients and wait_for_clients
             return
         self.draining = True
+        self._wait_for_clients = wait_for_clients
+        self.peering.mark_draining()
         event("shutting down: waiting for active transactions", clients=len(self.clients))
         for listener in self.listeners:
             listener.close()
@@ -116,11 +147,13 @@ class Proxy:
         while True:
             # Clients without a server hold nothing: let them go now.
             for client in list(self.clients):
+                if self._wait_for_clients:
+                    break
                 if client.server is None or client.parked:
                     client.fatal("57P01", "scry is shutting down")
             if not self.clients:
                 break
-            if deadline and time.monotonic() - started > deadline:
+            if deadline and not self._wait_for_clients and time.monotonic() - started > deadline:
                 event("shutdown_timeout reached", logging.WARNING, clients=len(self.clients))
                 break
             await asyncio.sleep(0.05)
@@ -137,6 +170,7 @@ class Proxy:
             pool.close_all("shutdown")
         if self._janitor is not None:
             self._janitor.cancel()
+        self.peering.close()
         self._stopped.set()
 
     def reload(self) -> None:
@@ -145,7 +179,7 @@ class Proxy:
             event("reload skipped: no config file", logging.WARNING)
             return
         try:
-            new = load_config(self.config_path)
+            new = self.identity.share_of(load_config(self.config_path))
             auth = AuthPolicy.from_config(new)
             tls_in, tls_out = client_tls(new.tls), server_tls(new.tls)
         except ConfigError as exc:
@@ -205,6 +239,7 @@ class Proxy:
         metrics = self.observatory.metrics
         code = {"closed": 0, "half_open": 1, "open": 2}.get(str(transition.to_state), 2)
         metrics.breaker_state.labels(database=breaker.name).set(code)
+        self.peering.breaker_changed(breaker, transition)  # one worker's view protects all
         metrics.breaker_transitions_total.labels(
             database=breaker.name,
             from_state=str(transition.from_state),
@@ -216,7 +251,8 @@ class Proxy:
         monitor = self.health.get(database)
         if monitor is not None:
             sick = sqlstate is not None and classify_sqlstate(sqlstate)
-            monitor.observe_query(total_us / 1e6, sick)
+            # The janitor's clock is good to the second, which is all the monitor buckets by.
+            monitor.observe_query(total_us / 1e6, sick, self.clock)
 
     def _reclaim_idle_pins(self, now: float) -> None:
         """Hybrid: pinned clients idle past ``pool.idle_unpin_seconds`` give their
@@ -345,7 +381,8 @@ class Proxy:
     def register_cancel_key(self, client: ClientConnection) -> tuple[int, int]:
         """A fresh BackendKeyData for ``client``: scry's own, never a backend's."""
         while True:
-            key = (random.randint(1, 2**31 - 1), random.getrandbits(32))
+            # The pid names this peer and worker (scry.peering) so any worker can route it.
+            key = new_cancel_key(self.peering.peer_id, self.worker_id)
             if key not in self.cancel_keys:
                 break
         self.cancel_keys[key] = client
@@ -353,9 +390,11 @@ class Proxy:
         return key
 
     def handle_cancel(self, pid: int, secret: int) -> None:
-        client = self.cancel_keys.get((pid, secret))
+        client = self.cancel_keys.get((pid & KEY_MASK, secret))
         if client is not None:
             client.cancel_current_query()
+        else:  # another worker's or peer's key (forwarded at most one hop each)
+            self.peering.forward_cancel(pid, secret)
 
 
 def _connection_changed(old: DatabaseTarget, new: DatabaseTarget) -> bool:
@@ -369,9 +408,11 @@ def _connection_changed(old: DatabaseTarget, new: DatabaseTarget) -> bool:
     )
 
 
-async def serve(config: Config, config_path: str | None = None) -> int:
+async def serve(
+    config: Config, config_path: str | None = None, identity: WorkerIdentity | None = None
+) -> int:
     """Run a proxy until it is stopped by a signal."""
-    proxy = Proxy(config, config_path)
+    proxy = Proxy(config, config_path, identity)
     try:
         await proxy.start()
     except OSError as exc:
@@ -400,12 +441,14 @@ async def serve(config: Config, config_path: str | None = None) -> int:
     return 0
 
 
-def run_proxy(config: Config, config_path: str | None) -> int:
+def run_proxy(
+    config: Config, config_path: str | None, identity: WorkerIdentity | None = None
+) -> int:
     """Entry point for ``scry serve``: logging, uvloop, serve until stopped."""
     setup_logging(config.log.level, config.log.format)
     try:
         import uvloop
 
-        return uvloop.run(serve(config, config_path))
+        return uvloop.run(serve(config, config_path, identity))
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
-        return asyncio.run(serve(config, config_path))
+        return asyncio.run(serve(config, config_path, identity))
