@@ -99,6 +99,10 @@ class Proxy:
         for sock in server.sockets:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.listeners.insert(0, server)
+        if self.config.pgbouncer is not None and self.config.pgbouncer.unix_socket_dir:
+            from scry.pgbouncer.console import start_unix_listener  # PgBouncer's .s.PGSQL.<port>
+
+            self.listeners.append(await start_unix_listener(self))
         await self.peering.start()
         if self.config.admin.enabled:
             from scry.adminapi import AdminServer
@@ -130,13 +134,18 @@ class Proxy:
         WAIT_FOR_CLIENTS): keep serving connected clients until they leave.
         A later plain drain (SIGTERM) stops waiting for them.
         """
-        if self.draining:
-            self._wait_for_clients = self._wait_for_clients and wait_for_clients
+        if self.draining or (self._wait_for_clients and wait_for_clients):
             return
-        self.draining = True
+        if self._wait_for_clients:  # escalate; the _drain task is already running
+            self._wait_for_clients = False
+            self.draining = True
+            return
+        # While waiting for clients, clients still log in and start transactions.
+        self.draining = not wait_for_clients
         self._wait_for_clients = wait_for_clients
         self.peering.mark_draining()
-        event("shutting down: waiting for active transactions", clients=len(self.clients))
+        event("shutting down: waiting for " + ("clients to leave" if wait_for_clients else
+              "active transactions"), clients=len(self.clients))  # fmt: skip
         for listener in self.listeners:
             listener.close()
         asyncio.get_running_loop().create_task(self._drain())
@@ -146,6 +155,8 @@ class Proxy:
         started = time.monotonic()
         while True:
             # Clients without a server hold nothing: let them go now.
+            if self._wait_for_clients:
+                started = time.monotonic()  # shutdown_timeout counts from a plain drain
             for client in list(self.clients):
                 if self._wait_for_clients:
                     break
@@ -153,7 +164,7 @@ class Proxy:
                     client.fatal("57P01", "scry is shutting down")
             if not self.clients:
                 break
-            if deadline and not self._wait_for_clients and time.monotonic() - started > deadline:
+            if deadline and time.monotonic() - started > deadline:
                 event("shutdown_timeout reached", logging.WARNING, clients=len(self.clients))
                 break
             await asyncio.sleep(0.05)
@@ -179,12 +190,22 @@ class Proxy:
             event("reload skipped: no config file", logging.WARNING)
             return
         try:
-            new = self.identity.share_of(load_config(self.config_path))
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
+            return
+        self.apply_config(new)
+
+    def apply_config(self, config: Config) -> bool:
+        """Apply a new configuration without dropping connections (the apply half of
+        a reload; PgBouncer-ini reloads come here too). False if it was refused."""
+        try:
+            new = self.identity.share_of(config)
             auth = AuthPolicy.from_config(new)
             tls_in, tls_out = client_tls(new.tls), server_tls(new.tls)
         except ConfigError as exc:
             event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
-            return
+            return False
         if new.listen_addr != self.config.listen_addr:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
         self.config = new
@@ -200,7 +221,8 @@ class Proxy:
             else:
                 pool.target = target
                 pool.settings = target.pool
-        event("config reloaded", path=self.config_path, databases=len(self.targets))
+        event("config reloaded", path=self.config_path or "", databases=len(self.targets))
+        return True
 
     async def _janitor_loop(self) -> None:
         while True:
