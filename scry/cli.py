@@ -8,6 +8,7 @@ into a module. Heavy modules are imported inside the commands so that
 
 from __future__ import annotations
 
+import os
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -90,7 +91,7 @@ def serve(
         Path | None,
         typer.Option(
             "--pgbouncer-config",
-            help="Read settings from a pgbouncer.ini (not supported yet).",
+            help="Read settings from a pgbouncer.ini instead of YAML (see docs/migrating-from-pgbouncer.md).",
             show_default=False,
         ),
     ] = None,
@@ -103,16 +104,65 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    replace: Annotated[
+        bool,
+        typer.Option(
+            "--replace",
+            help="Rolling restart: take over the listening sockets of the scry serving "
+            "this port; it drains, waiting for its clients to leave.",
+        ),
+    ] = False,
+    worker_id: Annotated[
+        int | None, typer.Option("--worker-id", min=0, hidden=True, show_default=False)
+    ] = None,
+    instance: Annotated[
+        int | None, typer.Option("--instance", min=1, hidden=True, show_default=False)
+    ] = None,
 ) -> None:
     """Run the proxy in the foreground; logs go to stderr."""
     if pgbouncer_config is not None:
-        raise _fail("--pgbouncer-config is not supported yet")
+        raise typer.Exit(_serve_pgbouncer(pgbouncer_config, config, workers))
     overrides = {"workers": workers} if workers is not None else None
     cfg = _load(config, overrides)
+    config_path = str(config) if config is not None else None
 
+    from scry.workers import WorkerIdentity, resolve_workers, run_supervisor, run_worker
+
+    if worker_id is not None:  # started by the supervisor (scry.workers)
+        n = workers or 1
+        ident = WorkerIdentity(worker_id, n, instance or os.getppid(), replace)
+        raise typer.Exit(run_worker(cfg, config_path, ident))
+    try:
+        n = resolve_workers(cfg)
+    except ValueError as exc:
+        raise _fail(f"config error: {exc}") from None
+    if n > 1:
+        raise typer.Exit(run_supervisor(cfg, config_path, n, replace))
     from scry.proxy import run_proxy
 
-    raise typer.Exit(run_proxy(cfg, str(config) if config is not None else None))
+    ident = WorkerIdentity(0, 1, os.getpid(), replace)
+    raise typer.Exit(run_proxy(cfg, config_path, ident))
+
+
+def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None) -> int:
+    """``scry serve --pgbouncer-config``: the same conversion as scry-pgbouncer."""
+    from scry.pgbouncer.cli import _setup_logging, run
+    from scry.pgbouncer.ini import IniError, load_pgbouncer_config
+
+    if config is not None:
+        raise _fail(
+            "use either --config or --pgbouncer-config (a [scry] section in the ini sets scry-only keys)"
+        )
+    if workers not in (None, 1):
+        raise _fail("--workers is not supported with --pgbouncer-config yet")
+    try:
+        cfg, warnings = load_pgbouncer_config(ini)
+    except IniError as exc:
+        raise _fail(f"config error: {exc}") from None
+    for warning in warnings:
+        typer.echo(f"scry: {warning}", err=True)
+    _setup_logging(cfg, quiet=False, logfile=cfg.pgbouncer.logfile)
+    return run(cfg, warnings)
 
 
 @app.command("check-config")

@@ -320,6 +320,11 @@ class ClientConnection(asyncio.Protocol):
         if proxy.client_count > proxy.config.pool.max_client_conn:
             self.fatal(TOO_MANY_CONNECTIONS, "no more connections allowed (max_client_conn)")
             return
+        if proxy.config.pgbouncer is not None:  # PgBouncer mode: console, DISABLE, '*', [users]
+            from scry.pgbouncer.console import route_login
+
+            if route_login(self, packet):
+                return
         target = proxy.targets.get(self.database)
         if target is None:
             self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")
@@ -426,7 +431,9 @@ class ClientConnection(asyncio.Protocol):
             pool.login_greeting(self.params) + m.backend_key_data(pid, secret) + _READY_IDLE
         )
         self.state = READY
-        self.context = ClientContext(self.id, self.database, self.user, self.application_name)
+        self.context = ClientContext(
+            self.id, self.database, self.user, self.application_name, self.proxy.worker_id
+        )
         event("client login", client=self.id, addr=self.addr, user=self.user,
               db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
         assert self._reader is not None
@@ -820,7 +827,9 @@ class ClientConnection(asyncio.Protocol):
             server.applied = self.params
             if name == "application_name":
                 self.application_name = value
-                self.context = ClientContext(self.id, self.database, self.user, value)
+                self.context = ClientContext(
+                    self.id, self.database, self.user, value, self.proxy.worker_id
+                )
 
     def on_server_lost(self, server: ServerConnection, reason: str) -> None:
         """Our server died under us.

@@ -55,6 +55,8 @@ __all__ = [
     "NON_CONFIG_ENV_VARS",
     "ObservabilityConfig",
     "PoolConfig",
+    "PgbouncerCompatConfig",
+    "PgbouncerUserOverride",
     "PoolOverride",
     "TimeoutsConfig",
     "TlsConfig",
@@ -110,7 +112,8 @@ Int = Annotated[int, BeforeValidator(_reject_bool)]
 Float = Annotated[float, BeforeValidator(_reject_bool)]
 Seconds = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0)]
 SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
-PoolMode = Literal["session", "transaction", "hybrid"]
+#: ``statement`` is PgBouncer's statement pooling (see scry.pgbouncer).
+PoolMode = Literal["session", "transaction", "hybrid", "statement"]
 
 
 def split_host_port(addr: str) -> tuple[str, int]:
@@ -374,6 +377,42 @@ class ObservabilityConfig(_Model):
         return self
 
 
+class PgbouncerUserOverride(_Model):
+    """One line of a pgbouncer.ini ``[users]`` section (what scry applies of it)."""
+
+    pool_mode: PoolMode | None = None
+    pool_size: Int | None = Field(None, ge=1)
+    reserve_pool_size: Int | None = Field(None, ge=0)
+
+
+class PgbouncerCompatConfig(_Model):
+    """PgBouncer-only settings, filled from a pgbouncer.ini (``scry.pgbouncer.ini``).
+
+    Present only when scry runs from a pgbouncer.ini; it enables the ``pgbouncer``
+    admin console database and, with ``unix_socket_dir``, the Unix socket listener.
+    """
+
+    admin_users: list[str] = Field(default_factory=list)
+    stats_users: list[str] = Field(default_factory=list)
+    #: Where ``.s.PGSQL.<port>`` is created; None or "" = no Unix socket.
+    unix_socket_dir: str | None = None
+    unix_socket_mode: Int = Field(0o777, ge=0, le=0o7777)
+    unix_socket_group: str | None = None
+    logfile: str | None = None
+    pidfile: str | None = None
+    ignore_startup_parameters: list[str] = Field(default_factory=list)
+    #: Seconds over which SHOW STATS averages are computed.
+    stats_period: Int = Field(60, ge=1)
+    #: PgBouncer's peer_id; the ini also sets the top-level ``peer_id`` (scry.peering).
+    peer_id: Int = Field(0, ge=0, le=16383)
+    #: The ``[users]`` section: per-user pool overrides.
+    users: dict[str, PgbouncerUserOverride] = Field(default_factory=dict)
+    #: The ``*`` fallback database: used for any database name not configured.
+    autodb: DatabaseConfig | None = None
+    #: The pgbouncer.ini this came from (RELOAD / SIGHUP re-read it).
+    conffile: str | None = None
+
+
 class TlsConfig(_Model):
     """TLS on both sides, PgBouncer's names."""
 
@@ -536,9 +575,13 @@ class Config(_Model):
     workers: int | Literal["auto"] = 1
     #: peer id -> "host:port" of another scry instance, for cancel forwarding.
     peers: dict[int, str] = Field(default_factory=dict)
+    #: This instance's id among its peers (PgBouncer's peer_id); see scry.peering.
+    peer_id: Int = Field(0, ge=0, le=16383)
     tls: TlsConfig = Field(default_factory=TlsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     max_packet_size: Int = Field(1073741823, ge=1024)
+    #: Set when scry runs from a pgbouncer.ini (scry.pgbouncer); None otherwise.
+    pgbouncer: PgbouncerCompatConfig | None = None
 
     _check_addr = field_validator("listen_addr")(_validate_listen_addr)
 
@@ -567,6 +610,8 @@ class Config(_Model):
     @classmethod
     def _peers(cls, value: dict[int, str]) -> dict[int, str]:
         for peer_id, addr in value.items():
+            if not 0 <= peer_id <= 16383:
+                raise _problem(str(peer_id), "a peer id is 0..16383")
             try:
                 split_host_port(addr)
             except ValueError as exc:
@@ -631,6 +676,9 @@ class Config(_Model):
             data["database_url"] = _mask_url(data["database_url"])
         for db in data.get("databases", {}).values():
             db["database_url"] = _mask_url(db["database_url"])
+        if (data.get("pgbouncer") or {}).get("autodb"):
+            autodb = data["pgbouncer"]["autodb"]
+            autodb["database_url"] = _mask_url(autodb["database_url"])
         if data["admin"].get("token") is not None:
             data["admin"]["token"] = MASK
         if data["observability"].get("anonymize_key") is not None:

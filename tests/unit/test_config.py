@@ -491,7 +491,7 @@ def test_serve_config_error_and_pgbouncer_flag(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert result.stderr.startswith("scry: config error:")
     result = runner.invoke(app, ["serve", "--pgbouncer-config", "pgbouncer.ini"])
-    assert result.exit_code == 1 and "not supported yet" in result.stderr
+    assert result.exit_code == 1 and "cannot read pgbouncer.ini" in result.stderr
 
 
 def test_serve_passes_config_and_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,260 @@
+"""``scry-pgbouncer``: PgBouncer's command line, running scry.
+
+    scry-pgbouncer [-d] [-q] [-v] [-R] [-u USER] [-V] [-h] pgbouncer.ini
+
+argparse rather than Typer here: the point is to accept exactly PgBouncer's
+switches. The pgbouncer.ini is converted by :mod:`scry.pgbouncer.ini`; every
+setting scry does not honour is printed once at start. ``logfile`` and
+``pidfile`` are honoured; ``-d`` daemonizes (double fork) and, as PgBouncer,
+needs ``pidfile`` and ``logfile``.
+
+Signals are PgBouncer's: SIGHUP re-reads the pgbouncer.ini (RELOAD), SIGINT
+waits for servers (SHUTDOWN WAIT_FOR_SERVERS), SIGTERM waits for clients
+(SHUTDOWN WAIT_FOR_CLIENTS), SIGQUIT (or a second SIGINT/SIGTERM) stops at
+once, SIGUSR1 pauses and SIGUSR2 resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from scry import __version__
+from scry.log import event, logger, setup_logging
+
+PROG = "scry-pgbouncer"
+USAGE = f"""{PROG} is a PostgreSQL connection pooler (scry, PgBouncer-compatible).
+
+Usage:
+  {PROG} [OPTION]... CONFIG_FILE
+
+Options:
+  -d, --daemon         run in background (as a daemon)
+  -q, --quiet          run quietly
+  -R, --reboot         do an online reboot (not supported by scry)
+  -u, --user=USERNAME  assume identity of USERNAME (not supported by scry)
+  -v, --verbose        increase verbosity
+  -V, --version        show version, then exit
+  -h, --help           show this help, then exit
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, usage=USAGE)
+    parser.add_argument("-d", "--daemon", action="store_true")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    parser.add_argument("-R", "--reboot", action="store_true")
+    parser.add_argument("-u", "--user")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument("-V", "--version", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("config", nargs="?")
+    return parser
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point; returns the exit code."""
+    args = _parser().parse_args(argv)
+    if args.help:
+        print(USAGE, end="")
+        return 0
+    if args.version:
+        from scry.pgbouncer import PGBOUNCER_VERSION
+
+        print(f"{PROG} {__version__} (scry; PgBouncer {PGBOUNCER_VERSION} compatible)")
+        return 0
+    if args.reboot:
+        return _fail(
+            "-R (online reboot) is deprecated in PgBouncer and not supported: restart with "
+            "a second instance on the same port instead (scry serve --workers / so_reuseport)"
+        )
+    if args.user:
+        return _fail("-u is not supported: start scry as the user it should run as")
+    if not args.config:
+        return _fail("need config file", 2)
+
+    from scry.pgbouncer.ini import IniError, load_pgbouncer_config
+
+    try:
+        config, warnings = load_pgbouncer_config(args.config)
+    except IniError as exc:
+        return _fail(f"config error: {exc}")
+    compat = config.pgbouncer
+    assert compat is not None
+    if args.daemon and not compat.pidfile:
+        return _fail("daemon mode needs pidfile configured")
+    if args.daemon and not compat.logfile:
+        return _fail("daemon mode needs logfile configured")
+    if args.verbose:
+        config = config.model_copy(update={"log": config.log.model_copy(update={"level": "debug"})})
+    for warning in warnings:
+        if not args.quiet:
+            print(f"{PROG}: {warning}", file=sys.stderr)
+    pidfile = compat.pidfile
+    if pidfile:
+        problem = _check_pidfile(pidfile)
+        if problem:
+            return _fail(problem)
+    if args.daemon:
+        _daemonize()
+    if pidfile:
+        Path(pidfile).write_text(f"{os.getpid()}\n")
+    try:
+        _setup_logging(config, quiet=args.quiet or args.daemon, logfile=compat.logfile)
+        for warning in warnings:
+            event(warning, logging.WARNING)
+        return run(config, warnings)
+    finally:
+        if pidfile:
+            with contextlib.suppress(OSError):
+                if Path(pidfile).read_text().strip() == str(os.getpid()):
+                    os.unlink(pidfile)
+
+
+def _check_pidfile(path: str) -> str | None:
+    """PgBouncer refuses to start over a live pidfile; a stale one is replaced."""
+    try:
+        pid = int(Path(path).read_text().strip() or 0)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return f"pidfile {path} exists and process {pid} is running: another instance?"
+
+
+def _daemonize() -> None:
+    """Double fork, new session, standard streams to /dev/null (cwd is kept:
+    relative paths in the pgbouncer.ini stay valid)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _setup_logging(config, *, quiet: bool, logfile: str | None) -> None:  # type: ignore[no-untyped-def]
+    setup_logging(config.log.level, config.log.format, path=logfile if quiet else None)
+    if logfile and not quiet:  # PgBouncer: logfile does not turn off stderr; -q does
+        handler = logging.FileHandler(logfile)
+        handler.setFormatter(logger.handlers[0].formatter)
+        logger.addHandler(handler)
+    elif quiet and not logfile:
+        logger.handlers[:] = [logging.NullHandler()]
+
+
+def run(config, warnings: list[str] | None = None) -> int:  # type: ignore[no-untyped-def]
+    """Serve ``config`` (from a pgbouncer.ini) until a signal stops it."""
+    try:
+        import uvloop
+
+        return uvloop.run(serve(config, warnings or []))
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(serve(config, warnings or []))
+
+
+async def serve(config, warnings: list[str]) -> int:  # type: ignore[no-untyped-def]
+    """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
+    from scry.pgbouncer.console import reload_pgbouncer_config, state_for
+    from scry.pgbouncer.ini import IniError
+    from scry.proxy import Proxy
+
+    proxy = Proxy(config, None)
+    state = state_for(proxy)
+    state.warned.update(warnings)
+
+    def reload() -> None:
+        try:
+            reload_pgbouncer_config(proxy)
+        except IniError as exc:
+            event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
+
+    state.reload = reload
+    try:
+        await proxy.start()
+    except OSError as exc:
+        event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
+        return 1
+    loop = asyncio.get_running_loop()
+    stops = {"count": 0}
+
+    def stop(signame: str, wait_for_clients: bool) -> None:
+        stops["count"] += 1
+        if stops["count"] > 1 or signame == "SIGQUIT":
+            event("signal received: stopping now", signal=signame)
+            proxy.stop_now()
+            return
+        state.shutting_down = True
+        if wait_for_clients:
+            event("signal received: waiting for clients to leave", signal=signame)
+            for listener in proxy.listeners:
+                listener.close()
+            loop.create_task(_stop_when_no_clients(proxy))
+        else:
+            event("signal received: waiting for servers to be released", signal=signame)
+            proxy.begin_drain()
+
+    def pause() -> None:
+        state.paused_all = True
+        loop.create_task(proxy.pause())
+
+    def resume() -> None:
+        state.paused_all = False
+        state.paused.clear()
+        proxy.resume()
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    loop.add_signal_handler(signal.SIGINT, stop, "SIGINT", False)
+    loop.add_signal_handler(signal.SIGTERM, stop, "SIGTERM", True)
+    loop.add_signal_handler(signal.SIGQUIT, stop, "SIGQUIT", False)
+    loop.add_signal_handler(signal.SIGUSR1, pause)
+    loop.add_signal_handler(signal.SIGUSR2, resume)
+    await proxy.wait_stopped()
+    if proxy.admin is not None:
+        await proxy.admin.stop()
+    await proxy.observatory.stop()
+    if state.unix_path:  # PgBouncer removes its socket file at exit
+        with contextlib.suppress(OSError):
+            os.unlink(state.unix_path)
+    event("stopped")
+    return 0
+
+
+async def _stop_when_no_clients(proxy) -> None:  # type: ignore[no-untyped-def]
+    while proxy.clients:  # noqa: ASYNC110 - polled, as Proxy._drain does
+        await asyncio.sleep(0.05)
+    proxy.stop_now()
+
+
+def entry() -> None:
+    """``scry-pgbouncer`` console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    entry()

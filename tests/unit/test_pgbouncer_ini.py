@@ -1,0 +1,240 @@
+"""pgbouncer.ini: PgBouncer's reading rules and the conversion to scry's Config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scry.pgbouncer.ini import (
+    PGBOUNCER_KEYS,
+    IniError,
+    convert,
+    load_pgbouncer_config,
+    parse_connstring,
+    parse_ini,
+)
+
+MAIN = """\
+;; pgbouncer.ini of a typical production box
+# both comment styles; neither is special later in a line
+[databases]
+; the application database, via TCP
+app = host=10.0.0.5 port=5433 dbname=app_prod pool_size=30 min_pool_size=5 reserve_pool=3
+; a forced user, with a quoted password and startup settings
+reports = host=10.0.0.6 user=reporter password='it''s secret' client_encoding=UTF8 datestyle=ISO timezone=UTC pool_mode=session
+; over the Unix socket (no host), with a query PgBouncer would run on connect
+local = dbname=postgres connect_query='SELECT 1'
+"quoted db" = host=10.0.0.7
+; anything else goes to the fallback
+* = host=10.0.0.9 port=6000
+
+[pgbouncer]
+listen_addr = 10.1.1.1, 10.1.1.2
+listen_port = 6543
+unix_socket_dir = /var/run/postgresql
+auth_type = scram-sha-256
+auth_file = /etc/pgbouncer/userlist.txt
+admin_users = ops, root
+stats_users = grafana
+pool_mode = transaction
+default_pool_size = 10
+max_client_conn = 2000
+server_check_delay = 0
+server_reset_query = DISCARD ALL
+query_wait_timeout = 30
+server_lifetime = 1h
+idle_transaction_timeout = 1.5
+tcp_keepcnt = 5
+log_connections = 1
+tcp_keepalive = 1
+logfile = /var/log/pgbouncer/pgbouncer.log
+pidfile = /var/run/pgbouncer/pgbouncer.pid
+ignore_startup_parameters = extra_float_digits, options
+peer_id = 1
+%include {include}
+
+[users]
+batch = pool_mode=session pool_size=2 max_user_connections=4
+
+[peers]
+1 = host=10.0.0.21
+2 = host=10.0.0.22 port=6544
+
+; a section may come back: its keys merge, the last value of a key wins
+[databases]
+app = host=10.0.0.5 port=5433 dbname=app_prod pool_size=40
+"""
+
+INCLUDED = """\
+[pgbouncer]
+; repeated keys: the last one wins (this file is read after the lines above)
+default_pool_size = 25
+tcp_keepcnt = 7
+server_round_robin = 1
+"""
+
+
+@pytest.fixture
+def ini_path(tmp_path: Path) -> Path:
+    include = tmp_path / "extra.ini"
+    include.write_text(INCLUDED)
+    main = tmp_path / "pgbouncer.ini"
+    main.write_text(MAIN.format(include=include))
+    return main
+
+
+def test_effective_config(ini_path: Path) -> None:
+    config, warnings = load_pgbouncer_config(ini_path, env={})
+    assert config.listen_addr == "10.1.1.1:6543"
+    assert config.pool.mode == "transaction"
+    assert config.pool.size == 25  # from %include, after the main file's 10
+    assert config.pool.max_client_conn == 2000
+    assert config.auth is not None
+    assert (config.auth.type, config.auth.auth_file) == (
+        "scram-sha-256",
+        "/etc/pgbouncer/userlist.txt",
+    )
+    assert config.timeouts.query_wait_timeout == 30
+    assert config.timeouts.server_lifetime == 3600
+    assert config.timeouts.idle_transaction_timeout == 1.5
+    assert 0 < config.timeouts.server_check_delay < 0.001  # PgBouncer's 0 = check every time
+    assert config.max_packet_size == 2147483647
+
+    targets = config.targets()
+    assert set(targets) == {"app", "reports", "local", "quoted db"}
+    app = targets["app"]
+    assert (app.host, app.port, app.dbname, app.user) == ("10.0.0.5", 5433, "app_prod", None)
+    assert app.pool.size == 40  # the repeated [databases] section wins
+    assert app.pool.min_size == 0  # ... and replaces the whole earlier line
+    reports = targets["reports"]
+    assert (reports.user, reports.password, reports.dbname) == (
+        "reporter",
+        "it's secret",
+        "reports",
+    )
+    assert reports.params == {"client_encoding": "UTF8", "DateStyle": "ISO", "TimeZone": "UTC"}
+    assert reports.pool.mode == "session"
+    local = targets["local"]
+    assert (local.host, local.port, local.dbname) == ("/var/run/postgresql", 5432, "postgres")
+
+    compat = config.pgbouncer
+    assert compat is not None
+    assert compat.admin_users == ["ops", "root"]
+    assert compat.stats_users == ["grafana"]
+    assert compat.unix_socket_dir == "/var/run/postgresql"
+    assert compat.logfile == "/var/log/pgbouncer/pgbouncer.log"
+    assert compat.pidfile == "/var/run/pgbouncer/pgbouncer.pid"
+    assert compat.ignore_startup_parameters == ["extra_float_digits", "options"]
+    assert compat.users["batch"].pool_mode == "session"
+    assert compat.users["batch"].pool_size == 2
+    assert compat.autodb is not None and "host=10.0.0.9" in compat.autodb.database_url
+    assert compat.conffile == str(ini_path)
+    assert config.peer_id == 1
+    assert config.peers == {2: "10.0.0.22:6544"}  # its own entry (1) is skipped
+
+
+def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
+    _, warnings = load_pgbouncer_config(ini_path, env={})
+    unsupported = sorted(w.split(" ")[2] for w in warnings if w.startswith("not supported: "))
+    # tcp_keepcnt is set twice, reported once; tcp_keepalive = 1 and
+    # log_connections = 1 are PgBouncer's defaults: nothing to report.
+    assert unsupported == sorted(["tcp_keepcnt", "server_round_robin", "[databases]", "[users]"]), (
+        warnings
+    )
+    assert any("connect_query" in w for w in warnings)
+    assert any("max_user_connections" in w for w in warnings)
+    assert any(w.startswith("differs: listen_addr") for w in warnings)
+    assert len(warnings) == len(set(warnings))
+
+
+def test_pgbouncer_defaults_where_scry_differs(tmp_path: Path) -> None:
+    path = tmp_path / "min.ini"
+    path.write_text("[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n")
+    config, warnings = load_pgbouncer_config(path, env={})
+    assert warnings == []
+    assert config.listen_addr == "127.0.0.1:6432"
+    assert config.pool.mode == "session"
+    assert config.pool.max_client_conn == 100
+    assert config.auth is not None and config.auth.type == "md5"
+    assert config.pgbouncer is not None and config.pgbouncer.unix_socket_dir == "/tmp"
+
+
+def test_every_documented_key_is_known() -> None:
+    for key in ("listen_addr", "so_reuseport", "peer_id", "client_tls13_ciphers",
+                "max_user_client_connections", "auth_ldap_options", "transaction_timeout",
+                "query_wait_notify", "track_extra_parameters", "scram_iterations"):  # fmt: skip
+        assert key in PGBOUNCER_KEYS
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("no_such_key = 1", "unknown parameter: pgbouncer/no_such_key"),
+        ("auth_type = pam", "auth_type = pam is not supported"),
+        ("pool_mode = bogus", "pool.mode"),
+        ("max_client_conn = many", "expected an integer"),
+        ("server_lifetime = soon", "expected seconds"),
+        ("server_reset_query_always = maybe", "expected a boolean"),
+    ],
+)
+def test_bad_settings_are_refused(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.ini"
+    path.write_text(f"[databases]\ndb = host=h\n[pgbouncer]\n{line}\n")
+    with pytest.raises(IniError, match=message):
+        load_pgbouncer_config(path, env={})
+
+
+def test_reading_errors_name_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.ini"
+    path.write_text("[databases]\n\ndb host=h\n")
+    with pytest.raises(IniError, match=r"bad\.ini:3: expected 'key = value'"):
+        parse_ini(path)
+    path.write_text("[nonsense]\n")
+    with pytest.raises(IniError, match="unknown section"):
+        parse_ini(path)
+    path.write_text("%include missing.ini\n")
+    with pytest.raises(IniError, match="cannot read missing.ini"):
+        parse_ini(path)
+    path.write_text(f"%include {path}\n")
+    with pytest.raises(IniError, match="nested more than"):
+        parse_ini(path)
+    path.write_text("[databases]\npgbouncer = host=h\n")
+    with pytest.raises(IniError, match="reserved"):
+        convert(parse_ini(path))
+
+
+def test_connstring_quoting() -> None:
+    assert parse_connstring("host=h  password='a b''c' x='\\'y'", "t") == {
+        "host": "h",
+        "password": "a b'c",
+        "x": "'y",
+    }
+    with pytest.raises(IniError, match="unterminated"):
+        parse_connstring("password='abc", "t")
+
+
+def test_scry_section_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "s.ini"
+    path.write_text(
+        "[databases]\ndb = host=h\n[pgbouncer]\npool_mode = session\n"
+        "[scry]\npool.mode = hybrid\nadmin.listen_addr = 127.0.0.1:7000\n"
+    )
+    config, _ = load_pgbouncer_config(path, env={"SCRY_ADMIN__ENABLED": "false"})
+    assert config.pool.mode == "hybrid"
+    assert config.admin.listen_addr == "127.0.0.1:7000"
+    assert config.admin.enabled is False
+
+
+def test_set_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "s.ini"
+    path.write_text("[databases]\ndb = host=h\n[pgbouncer]\ndefault_pool_size = 5\n")
+    config, _ = load_pgbouncer_config(path, {"default_pool_size": "9"}, env={})
+    assert config.pool.size == 9
+
+
+def test_statement_mode_is_recorded(tmp_path: Path) -> None:
+    path = tmp_path / "s.ini"
+    path.write_text("[databases]\ndb = host=h pool_mode=statement\n")
+    config, _ = load_pgbouncer_config(path, env={})
+    assert config.targets()["db"].pool.mode == "statement"
