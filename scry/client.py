@@ -43,7 +43,7 @@ from scry.protocol.errors import (
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ClientStatements
 from scry.protocol.prepared import rewrite as rewrite_statements
-from scry.server import ServerConnection, ServerLoginError
+from scry.server import REC_EXECUTE, REC_QUERY, REC_SYNC, ServerConnection, ServerLoginError
 from scry.tls import peer_common_name
 
 if TYPE_CHECKING:
@@ -93,6 +93,8 @@ _NOT_SETTINGS = frozenset({"user", "database", "options", "replication"})
 MAX_QUEUED_BYTES = 256 * 1024
 
 _READY_IDLE = m.ready_for_query()
+_SYNC_MARK = (REC_SYNC, b"")
+_FUNCTION_CALL_MARK = (REC_QUERY, b"<function call>")
 
 STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 
@@ -189,10 +191,13 @@ class ClientConnection(asyncio.Protocol):
         # Observability: what is running and since when (see scry.observe.record).
         self.observed = proxy.observatory.enabled
         self.context: ClientContext | None = None
-        self.inflight: deque[tuple[bytes, int]] = deque()  # (text, received ns) per answer owed
+        # (REC_* kind, statement text, received ns): what the server side will complete.
+        self.inflight: deque[tuple[int, bytes, int]] = deque()
         self.t_acquired = 0  # when the last waited-for server was linked
         self.pins: tuple[str, ...] | None = None
-        self._last_text = b""
+        self._last_text = b""  # the statement the next Execute runs
+        self._unnamed_text = b""  # the unnamed prepared statement's text
+        self._named_texts: dict[bytes, bytes] = {}  # named statement -> its text
         self._retried = False
         self.statements: ClientStatements | None = None
         self._queued_bytes = 0
@@ -472,7 +477,8 @@ class ClientConnection(asyncio.Protocol):
             return
         owed = 0
         terminate = False
-        texts = [] if self.observed else None  # statement text per ReadyForQuery owed
+        # What to time, in order (see REC_* in scry.server): a record per statement.
+        texts: list[tuple[int, bytes]] | None = [] if self.observed else None
         tracker = self.tracker
         self.last_active = self.proxy.clock
         for kind, end, body in events:
@@ -481,18 +487,20 @@ class ClientConnection(asyncio.Protocol):
                 owed += 1
                 self._syncs_since_execute += 1
                 if texts is not None:
-                    texts.append(self._last_text)
+                    texts.append(_SYNC_MARK)
                 if tracker is not None:
                     tracker.on_sync(self.ordinal + owed)
             elif kind == _Q:
                 owed += 1
                 self._syncs_since_execute = 0
                 if texts is not None:
-                    texts.append(body)
+                    texts.append((REC_QUERY, body))
                 if tracker is not None:
                     tracker.on_query(body, self.ordinal + owed)
             elif kind == _EXECUTE:
                 self._syncs_since_execute = 0
+                if texts is not None:
+                    texts.append((REC_EXECUTE, self._last_text))
             elif kind == _PARSE:
                 text = parse_text(body)
                 self._last_text = text
@@ -508,7 +516,7 @@ class ClientConnection(asyncio.Protocol):
                 owed += 1
                 self._syncs_since_execute = 0
                 if texts is not None:
-                    texts.append(b"<function call>")
+                    texts.append(_FUNCTION_CALL_MARK)
             elif kind == _X:
                 out = out[: end - 5]
                 terminate = True
@@ -518,7 +526,8 @@ class ClientConnection(asyncio.Protocol):
         self.ordinal += owed
         if texts:
             if len(texts) == 1:
-                self.inflight.append((texts[0], perf_counter_ns()))
+                code, text = texts[0]
+                self.inflight.append((code, text, perf_counter_ns()))
             else:
                 self._note_inflight(texts)
         if out:
@@ -565,26 +574,32 @@ class ClientConnection(asyncio.Protocol):
         assert self.statements is not None
         return rewrite_statements(messages, self.statements, server.statements)
 
-    def _copy_ignored_syncs(self, texts: list[bytes] | None) -> int:
+    def _copy_ignored_syncs(self, texts: list[tuple[int, bytes]] | None) -> int:
         """PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent after the
         Execute that started the copy earns no ReadyForQuery. Returns how many."""
         ignored = self._syncs_since_execute
         self._syncs_since_execute = 0
         for _ in range(ignored):
-            if texts:
-                texts.pop()
-            elif self.inflight:
-                self.inflight.pop()
+            # Forget the newest Sync marker still queued (here or already in flight).
+            for queue in (texts, self.inflight):
+                if queue:
+                    for i in range(len(queue) - 1, -1, -1):
+                        if queue[i][0] == REC_SYNC:
+                            del queue[i]
+                            break
+                    else:
+                        continue
+                    break
         return ignored
 
-    def _note_inflight(self, texts: list[bytes]) -> None:
+    def _note_inflight(self, texts: list[tuple[int, bytes]]) -> None:
         now = perf_counter_ns()
         inflight = self.inflight
-        for text in texts:
-            inflight.append((text, now))
+        for code, text in texts:
+            inflight.append((code, text, now))
 
     def _start_rewriting(
-        self, out: bytes, parse_start: int, owed: int, texts: list[bytes] | None
+        self, out: bytes, parse_start: int, owed: int, texts: list[tuple[int, bytes]] | None
     ) -> bool:
         """The client named a prepared statement: switch to whole-message rewriting.
 
@@ -597,6 +612,7 @@ class ClientConnection(asyncio.Protocol):
         head, tail = out[:parse_start], out[parse_start:] + self._scanner.detach()
         self._messages = MessageReader(self.proxy.config.max_packet_size)
         self.statements = ClientStatements()
+        self._unnamed_text = self._last_text
         self.ordinal += owed
         if texts:
             self._note_inflight(texts)
@@ -619,7 +635,7 @@ class ClientConnection(asyncio.Protocol):
         owed = 0
         terminate = False
         size = 0
-        texts = [] if self.observed else None
+        texts: list[tuple[int, bytes]] | None = [] if self.observed else None
         tracker = self.tracker
         self.last_active = self.proxy.clock
         for index, (kind, body) in enumerate(messages):
@@ -627,25 +643,30 @@ class ClientConnection(asyncio.Protocol):
                 owed += 1
                 self._syncs_since_execute += 1
                 if texts is not None:
-                    texts.append(self._last_text)
+                    texts.append(_SYNC_MARK)
                 if tracker is not None:
                     tracker.on_sync(self.ordinal + owed)
             elif kind in (_Q, _F):
                 owed += 1
                 self._syncs_since_execute = 0
                 if texts is not None:
-                    texts.append(body if kind == _Q else b"<function call>")
+                    texts.append((REC_QUERY, body) if kind == _Q else _FUNCTION_CALL_MARK)
                 if tracker is not None and kind == _Q:
                     tracker.on_query(body, self.ordinal + owed)
             elif kind == _EXECUTE:
                 self._syncs_since_execute = 0
+                if texts is not None:
+                    texts.append((REC_EXECUTE, self._last_text))
             elif kind == _PARSE:
                 text = parse_text(body)
-                self._last_text = text
-                if tracker is not None and body[:1] == b"\x00":
-                    # Named statements run their text at each Execute; protocol-level
-                    # prepares are tracked by scry itself and never pin.
-                    tracker.on_parse(text)
+                if body[:1] == b"\x00":
+                    self._unnamed_text = text
+                    if tracker is not None:
+                        # Named statements run their text at each Execute; protocol-level
+                        # prepares are tracked by scry itself and never pin.
+                        tracker.on_parse(text)
+                elif texts is not None:
+                    self._named_texts[body[: body.index(b"\x00")]] = text
             elif kind == _BIND:
                 if texts is not None:
                     self._last_text = self._bound_text(body)
@@ -668,11 +689,9 @@ class ClientConnection(asyncio.Protocol):
         """The statement text behind a Bind (the last Parse's, for the unnamed statement)."""
         portal_end = bind_body.index(b"\x00")
         name = bind_body[portal_end + 1 : bind_body.index(b"\x00", portal_end + 1)]
-        if name and self.statements is not None:
-            known = self.statements.by_name.get(name)
-            if known is not None:
-                return known[1].split(b"\x00", 1)[0]
-        return self._last_text
+        if name:
+            return self._named_texts.get(name, b"")
+        return self._unnamed_text
 
     def _at_boundary(self) -> bool:
         if self._messages is not None:
@@ -788,6 +807,7 @@ class ClientConnection(asyncio.Protocol):
         if (
             server is None
             or self.state is not READY
+            or server.cancels_pending
             or not server.clean
             or not self._at_boundary()
             or (self.tracker is not None and self.tracker.pinned)

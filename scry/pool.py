@@ -189,6 +189,9 @@ class Pool:
         """Take a server back from a client (or from login/reset)."""
         if server.state is CLOSED:
             return
+        if server.cancels_pending:
+            server.release_after_cancel = True  # back once PostgreSQL processed the cancel
+            return
         if not server.clean:
             server.close("released while not idle")
             return

@@ -45,8 +45,16 @@ _N = m.NOTICE_RESPONSE[0]
 _TX_IDLE = m.TX_IDLE
 
 # What the relay must see in the server's stream; everything else is forwarded unread.
+# What the client side queued in ``ClientConnection.inflight``: a Query or
+# FunctionCall (complete at ReadyForQuery), an Execute (complete at its
+# CommandComplete, EmptyQueryResponse, PortalSuspended or ErrorResponse), or
+# the Sync that ends an extended-protocol batch (nothing to record).
+REC_QUERY, REC_EXECUTE, REC_SYNC = 0, 1, 2
+
 RELAY_WANT = (
     m.COMMAND_COMPLETE,  # row counts, for observability only: keep it first
+    m.EMPTY_QUERY_RESPONSE,
+    m.PORTAL_SUSPENDED,
     m.READY_FOR_QUERY,
     m.PARAMETER_STATUS,
     m.ERROR_RESPONSE,
@@ -55,6 +63,8 @@ RELAY_WANT = (
 )
 _PARSE_COMPLETE = m.PARSE_COMPLETE[0]
 _C = m.COMMAND_COMPLETE[0]
+_EMPTY_QUERY = m.EMPTY_QUERY_RESPONSE[0]
+_PORTAL_SUSPENDED = m.PORTAL_SUSPENDED[0]
 _CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 
 _ids = itertools.count(1)
@@ -107,7 +117,7 @@ class ServerConnection(asyncio.Protocol):
         self.local_addr = ""
         # CommandComplete tags: row counts for observability, COMMIT/ROLLBACK for hybrid.
         need_tags = pool.proxy.observatory.enabled or pool.settings.mode == "hybrid"
-        want = RELAY_WANT if need_tags else RELAY_WANT[1:]
+        want = RELAY_WANT if need_tags else RELAY_WANT[3:]
         self._scanner = MessageScanner(want, pool.max_message_size)
         self._reader: MessageReader | None = None
         self._auth: BackendAuthExchange | None = None
@@ -119,6 +129,8 @@ class ServerConnection(asyncio.Protocol):
         self.tls = False
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
+        self.cancels_pending = 0  # CancelRequests sent and not yet processed by PostgreSQL
+        self.release_after_cancel = False
         self.statements = ServerStatements(pool.settings.max_prepared_statements)
         self.breaker = pool.breaker
         self.proxy = pool.proxy
@@ -294,21 +306,28 @@ class ServerConnection(asyncio.Protocol):
                     self.sqlstate = None
                 elif self.breaker.state is not BREAKER_CLOSED or self.breaker.consecutive_failures:
                     self.breaker.record_success()  # only news when something was wrong
-                if client.inflight:
-                    # The statement is complete: one cheap append, the rest is off-path.
-                    text, t_received = client.inflight.popleft()
-                    if not t_done:
-                        t_done = perf_counter_ns()
-                    t_acquired = client.t_acquired
-                    if t_acquired < t_received:
-                        t_acquired = t_received
-                    self.observe(
-                        (client.context, text, t_received, t_acquired, t_acquired, t_done,
-                         self.last_tag, sqlstate, client.pins)
-                    )  # fmt: skip
+                inflight = client.inflight
+                if inflight:
+                    if inflight[0][0] == REC_SYNC:
+                        inflight.popleft()  # the end of an extended-protocol batch
+                    else:  # a simple Query (or FunctionCall) is complete
+                        if not t_done:
+                            t_done = perf_counter_ns()
+                        self._record(client, self.last_tag, sqlstate, t_done)
                 self.last_tag = b""
             elif kind == _C:
                 self.last_tag = body
+                inflight = client.inflight
+                if inflight and inflight[0][0] == REC_EXECUTE:
+                    if not t_done:
+                        t_done = perf_counter_ns()
+                    self._record(client, body, None, t_done)
+            elif kind in (_EMPTY_QUERY, _PORTAL_SUSPENDED):
+                inflight = client.inflight
+                if inflight and inflight[0][0] == REC_EXECUTE:
+                    if not t_done:
+                        t_done = perf_counter_ns()
+                    self._record(client, b"", None, t_done)
             elif kind in (_PARSE_COMPLETE, _CLOSE_COMPLETE):
                 if self.statements.on_response(kind):
                     if drops is None:
@@ -323,6 +342,14 @@ class ServerConnection(asyncio.Protocol):
                 fields = m.parse_fields(body)
                 self.sqlstate = fields.get("C", "XX000")
                 self.breaker.record_server_error(self.sqlstate, fields.get("M", ""))
+                inflight = client.inflight
+                if inflight and inflight[0][0] == REC_EXECUTE:
+                    if not t_done:
+                        t_done = perf_counter_ns()
+                    self._record(client, b"", self.sqlstate, t_done)
+                    # PostgreSQL skips the rest of the batch up to its Sync.
+                    while inflight and inflight[0][0] == REC_EXECUTE:
+                        inflight.popleft()
             elif kind == _E and m.parse_fields(body).get("S") != "FATAL":
                 event(
                     "could not apply a client setting on the server",
@@ -365,6 +392,19 @@ class ServerConnection(asyncio.Protocol):
             if kind == _S:
                 name, value = m.parse_parameter_status(body)
                 self.params[name] = value
+
+    def _record(
+        self, client: ClientConnection, tag: bytes, sqlstate: str | None, t_done: int
+    ) -> None:
+        """One statement is complete: a single append, everything else is off-path."""
+        _, text, t_received = client.inflight.popleft()
+        t_acquired = client.t_acquired
+        if t_acquired < t_received:
+            t_acquired = t_received
+        self.observe(
+            (client.context, text, t_received, t_acquired, t_acquired, t_done, tag, sqlstate,
+             client.pins)
+        )  # fmt: skip
 
     def _idle_data(self, data: bytes) -> None:
         # An idle backend may still send asynchronous messages (NOTICE on
@@ -509,10 +549,23 @@ class ServerConnection(asyncio.Protocol):
         self._broken(reason)
 
     def send_cancel(self) -> None:
-        """Ask PostgreSQL to cancel whatever this backend is running."""
-        asyncio.get_running_loop().create_task(
-            send_cancel_request(self.pool.target, self.backend_pid, self.backend_secret)
-        )
+        """Ask PostgreSQL to cancel whatever this backend is running.
+
+        Until PostgreSQL has processed the request (it closes the cancel
+        connection), this server is not handed to another client: a late
+        cancel must never hit someone else's query.
+        """
+        self.cancels_pending += 1
+        asyncio.get_running_loop().create_task(self._cancel())
+
+    async def _cancel(self) -> None:
+        try:
+            await send_cancel_request(self.pool.target, self.backend_pid, self.backend_secret)
+        finally:
+            self.cancels_pending -= 1
+            if not self.cancels_pending and self.release_after_cancel:
+                self.release_after_cancel = False
+                self.pool.release(self)
 
 
 def settings_sql(applied: dict[str, str], wanted: dict[str, str]) -> str:
@@ -535,11 +588,17 @@ async def send_cancel_request(target, pid: int, secret: int) -> None:  # type: i
     """Open a fresh connection to the backend's server and send a CancelRequest."""
     try:
         if target.host.startswith("/"):
-            _, writer = await asyncio.open_unix_connection(f"{target.host}/.s.PGSQL.{target.port}")
+            reader, writer = await asyncio.open_unix_connection(
+                f"{target.host}/.s.PGSQL.{target.port}"
+            )
         else:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(target.host, target.port), 5)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(target.host, target.port), 5
+            )
         writer.write(cancel_request(pid, secret))
         await writer.drain()
+        # PostgreSQL closes the connection once it has signalled the backend.
+        await asyncio.wait_for(reader.read(), 5)
         writer.close()
     except (TimeoutError, OSError) as exc:
         event("cancel request could not reach the server", logging.WARNING, error=str(exc))

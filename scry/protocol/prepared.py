@@ -7,11 +7,11 @@ statements itself and gives every distinct statement (query text plus
 parameter types) one server-side name, ``scry_<hash>``, prepared on demand on
 whichever server serves the client and kept there in an LRU:
 
-* ``Parse(name)``: remembered for the client. If the server lacks the
-  statement it is prepared under its server-side name; if the server already
-  has it, the text is parsed under a scratch name that is closed right away,
-  so the client still gets the ParseComplete it expects (and any parse error)
-  without scry inventing responses or touching the unnamed statement.
+* ``Parse(name)``: remembered for the client and prepared under its
+  server-side name. If the server already has that statement it is closed
+  first, so a client's Parse always plans afresh (as it would on PostgreSQL
+  directly: a changed table never leaves a stale plan behind) and the client
+  gets its own ParseComplete, or its own parse error.
 * ``Bind``/``Describe`` of a named statement: renamed; if the server lacks the
   statement, a Parse is inserted first and its ParseComplete is dropped from
   the response stream.
@@ -45,7 +45,6 @@ PARSE_COMPLETE = m.PARSE_COMPLETE[0]
 CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 _STATEMENT = ord("S")
 _NEVER_EXISTS = b"scry_closed"  # Close of a name that does not exist: CloseComplete
-_SCRATCH = b"scry_scratch"  # parsed and closed at once, to answer a repeated Parse
 _HEADER = struct.Struct("!cI")
 
 
@@ -62,16 +61,20 @@ class Expected(NamedTuple):
     kind: int  # PARSE_COMPLETE or CLOSE_COMPLETE
     drop: bool  # caused by scry, not by the client: do not forward
     segment: int  # Sync segment the request belongs to
+    name: bytes | None = None  # the server-side statement it creates or closes
 
 
 class ServerStatements:
     """The prepared statements one backend holds, and the responses owed for them."""
 
-    __slots__ = ("capacity", "names", "expect", "segments_sent", "segments_done")
+    __slots__ = ("capacity", "names", "uncertain", "expect", "segments_sent", "segments_done")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.names: OrderedDict[bytes, None] = OrderedDict()
+        # Names whose Parse or Close PostgreSQL skipped after an error: they may or
+        # may not exist, so the next Parse of one closes it first (harmless if absent).
+        self.uncertain: set[bytes] = set()
         self.expect: deque[Expected] = deque()
         # Sync/Query/FunctionCall messages sent and ReadyForQuery received, ever;
         # equal whenever the server is idle, so links need no reset.
@@ -81,6 +84,7 @@ class ServerStatements:
     def forget_all(self) -> None:
         """DISCARD ALL / DEALLOCATE ALL ran: the backend has no statements left."""
         self.names.clear()
+        self.uncertain.clear()
 
     def on_response(self, kind: int) -> bool:
         """ParseComplete or CloseComplete arrived: True if the client must not see it."""
@@ -94,14 +98,20 @@ class ServerStatements:
         expect = self.expect
         segment = self.segments_done
         while expect and expect[0].segment == segment:
-            expect.popleft()
+            self._skipped(expect.popleft())
 
     def on_ready(self) -> None:
         """After ``segments_done`` was advanced for a ReadyForQuery."""
         # Anything still recorded for a finished segment was skipped.
         expect = self.expect
         while expect and expect[0].segment < self.segments_done:
-            expect.popleft()
+            self._skipped(expect.popleft())
+
+    def _skipped(self, expected: Expected) -> None:
+        name = expected.name
+        if name is not None:
+            self.names.pop(name, None)
+            self.uncertain.add(name)
 
 
 class ClientStatements:
@@ -148,13 +158,10 @@ def rewrite(
             sname = server_name(rest)
             client.by_name[name] = (sname, rest)
             if sname in server.names:
-                server.names.move_to_end(sname)
-                expect.append(Expected(PARSE_COMPLETE, False, segment))
-                out.append(_msg(_P, _SCRATCH + b"\x00" + rest))
-                expect.append(Expected(CLOSE_COMPLETE, True, segment))
-                out.append(_msg(_C, b"S" + _SCRATCH + b"\x00"))
-            else:
-                _prepare(out, server, sname, rest, False, segment)
+                del server.names[sname]
+                expect.append(Expected(CLOSE_COMPLETE, True, segment, sname))
+                out.append(_msg(_C, b"S" + sname + b"\x00"))
+            _prepare(out, server, sname, rest, False, segment)
         elif kind == _B:
             portal_end = body.index(b"\x00")
             stmt_end = body.index(b"\x00", portal_end + 1)
@@ -203,8 +210,12 @@ def _prepare(
     names = server.names
     while len(names) >= server.capacity:
         evicted, _ = names.popitem(last=False)
-        server.expect.append(Expected(CLOSE_COMPLETE, True, segment))
+        server.expect.append(Expected(CLOSE_COMPLETE, True, segment, evicted))
         out.append(_msg(_C, b"S" + evicted + b"\x00"))
+    if sname in server.uncertain:
+        server.uncertain.discard(sname)
+        server.expect.append(Expected(CLOSE_COMPLETE, True, segment, sname))
+        out.append(_msg(_C, b"S" + sname + b"\x00"))
     names[sname] = None
-    server.expect.append(Expected(PARSE_COMPLETE, drop, segment))
+    server.expect.append(Expected(PARSE_COMPLETE, drop, segment, sname))
     out.append(_msg(_P, sname + b"\x00" + rest))
