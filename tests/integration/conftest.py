@@ -329,3 +329,45 @@ def _wait_until_fixture() -> Callable[..., Any]:
 def _admin_dsn_fixture(pg: DevCluster) -> str:
     """A direct superuser DSN to database app (for pg_stat_activity sampling)."""
     return admin_conninfo(pg)
+
+
+# --- added for the hybrid / prepared / observe / breaker suites ---------------------------
+
+
+@pytest.fixture(scope="module")
+def scry_proxy_module(
+    pg: DevCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., ScryProcess]]:
+    """Module-scoped twin of ``scry_proxy``: proxies shared by a module's tests.
+
+    ``scry_proxy_module(overrides, cluster=other_devcluster)`` points the base
+    config at ``cluster`` instead of the session ``pg``.
+    """
+    started: list[ScryProcess] = []
+    base = tmp_path_factory.mktemp("scrymod")
+
+    def make(
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        start: bool = True,
+        cluster: DevCluster | None = None,
+    ) -> ScryProcess:
+        target = cluster if cluster is not None else pg
+        directory = base / f"scry{len(started)}"
+        directory.mkdir()
+        config = deep_merge(base_config(target, free_port()), overrides or {})
+        proxy = ScryProcess(target, directory, config)
+        started.append(proxy)
+        if start:
+            proxy.start()
+        return proxy
+
+    yield make
+
+    problems = []
+    for proxy in started:
+        proxy.stop()
+        if "Traceback" in proxy.log_text():
+            problems.append(f"scry logged a Python traceback:\n{proxy.log_tail(80)}")
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)

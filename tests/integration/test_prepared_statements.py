@@ -1,0 +1,339 @@
+"""Protocol-level prepared statements under transaction and hybrid pooling.
+
+Real drivers that use named statements (asyncpg's statement cache, psycopg
+with ``prepare_threshold=0``, libpq's PQprepare through pgbench and psycopg's
+low-level ``pgconn``) against a pool much smaller than the number of clients,
+so that statements prepared on one server are executed on others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import threading
+
+import asyncpg
+import psycopg
+import psycopg.errors
+import pytest
+
+PGBENCH = "/usr/bin/pgbench"
+
+MODES = ["transaction", "hybrid"]
+
+
+def proxy_for(scry_proxy, mode: str, size: int, **extra):
+    return scry_proxy({"pool": {"mode": mode, "size": size, **extra}})
+
+
+# --------------------------------------------------------------------------------------
+# asyncpg: 50 connections, 5 servers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_asyncpg_pool_prepared_concurrency(scry_proxy, pg, mode: str) -> None:
+    proxy = proxy_for(scry_proxy, mode, 5)
+    table = f"prep_many_{mode}"
+    admin = await asyncpg.connect(pg.dsn(user="postgres"))
+    try:
+        await admin.execute(f"drop table if exists {table}")
+        await admin.execute(f"create table {table} (worker int, n int, label text)")
+        await admin.execute(f"grant all on {table} to app")
+    finally:
+        await admin.close()
+
+    pool = await asyncpg.create_pool(proxy.dsn(), min_size=50, max_size=50)
+    try:
+
+        async def worker(w: int) -> None:
+            async with pool.acquire() as conn:
+                for n in range(15):
+                    assert await conn.fetchval("select $1::int * 3 + $2::int", w, n) == w * 3 + n
+                    row = await conn.fetchrow(
+                        "select $1::text || '-' || $2::int as label, $2::int + 1 as next",
+                        f"w{w}",
+                        n,
+                    )
+                    assert (row["label"], row["next"]) == (f"w{w}-{n}", n + 1)
+                    # The same text from many clients: one server-side statement.
+                    assert (
+                        await conn.fetchval("select count(*) from generate_series(1, $1)", n) == n
+                    )
+                await conn.executemany(
+                    f"insert into {table} (worker, n, label) values ($1, $2, $3)",
+                    [(w, n, f"w{w}-{n}") for n in range(10)],
+                )
+                rows = await conn.fetch(
+                    f"select n, label from {table} where worker = $1 order by n", w
+                )
+                assert [(r["n"], r["label"]) for r in rows] == [(n, f"w{w}-{n}") for n in range(10)]
+
+        await asyncio.gather(*(worker(w) for w in range(50)))
+        async with pool.acquire() as conn:
+            assert await conn.fetchval(f"select count(*) from {table}") == 500
+    finally:
+        await pool.close()
+
+
+# --------------------------------------------------------------------------------------
+# psycopg prepare_threshold=0: 20 threads, 4 servers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_psycopg_threads_prepared(scry_proxy, mode: str) -> None:
+    proxy = proxy_for(scry_proxy, mode, 4)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(20)
+
+    def worker(t: int) -> None:
+        try:
+            with psycopg.connect(**proxy.conninfo(), autocommit=True, prepare_threshold=0) as conn:
+                barrier.wait(10)
+                for n in range(40):
+                    row = conn.execute(
+                        "select %s::int * 7, %s::text || '!'", (t * 1000 + n, f"t{t}")
+                    ).fetchone()
+                    assert row == ((t * 1000 + n) * 7, f"t{t}!")
+                    rows = conn.execute(
+                        "select g from generate_series(%s::int, %s::int) g", (n, n + 2)
+                    ).fetchall()
+                    assert rows == [(n,), (n + 1,), (n + 2,)]
+                    if n % 10 == 0:
+                        with conn.transaction():
+                            conn.execute("select %s::int", (n,))
+                            (v,) = conn.execute("select %s::int + 1", (n,)).fetchone()
+                            assert v == n + 1
+                assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a worker hung"
+    if errors:
+        raise errors[0]
+
+
+# --------------------------------------------------------------------------------------
+# pgbench -M prepared
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pgbench_tables(pg) -> None:
+    env = {**os.environ, "PGPASSWORD": "app_pass"}
+    subprocess.run(
+        [PGBENCH, "-i", "-s", "1", "-q", "-h", pg.host, "-p", str(pg.port), "-U", "app", "app"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pgbench_prepared(scry_proxy, pgbench_tables, mode: str) -> None:
+    # -j 20: one thread per client. With -j 1 a single pgbench thread drives
+    # all 20 connections and its PQprepare calls are synchronous: it blocks in
+    # PQprepare on a connection that waits for a pool server, while the 4
+    # servers are held by connections whose transactions that same thread must
+    # finish. Every transaction pooler deadlocks on it (PgBouncer included,
+    # with max_prepared_statements); it is not a scry bug.
+    proxy = proxy_for(scry_proxy, mode, 4)
+    env = {**os.environ, "PGPASSWORD": "app_pass"}
+    cmd = [PGBENCH, "-M", "prepared", "-c", "20", "-j", "20", "-T", "3", "-n",
+           "-h", "127.0.0.1", "-p", str(proxy.port), "-U", "app", "app"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    failed = re.search(r"number of failed transactions: (\d+)", out)
+    assert failed is not None, out
+    assert int(failed.group(1)) == 0, out
+    processed = re.search(r"number of transactions actually processed: (\d+)", out)
+    assert processed is not None and int(processed.group(1)) > 20, out
+    assert "aborted" not in out, out
+
+
+# --------------------------------------------------------------------------------------
+# Plan invalidation, re-Parse after Close, errors in a pipeline
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prepared_survives_alter_table(scry_proxy, pg, mode: str) -> None:
+    """A statement whose table changes is re-planned by PostgreSQL on every server."""
+    proxy = proxy_for(scry_proxy, mode, 2)
+    table = f"prep_alter_{mode}"
+    with psycopg.connect(pg.dsn(user="postgres"), autocommit=True) as admin:
+        admin.execute(f"drop table if exists {table}")
+        admin.execute(f"create table {table} (id int primary key, v text, junk int)")
+        admin.execute(f"insert into {table} select g, 'v' || g, g from generate_series(1, 50) g")
+        admin.execute(f"grant all on {table} to app")
+        conns = [
+            psycopg.connect(**proxy.conninfo(), autocommit=True, prepare_threshold=0)
+            for _ in range(4)
+        ]
+        try:
+            query = f"select v from {table} where id = %s"
+
+            def check_all(offset: int = 0) -> None:
+                for k, conn in enumerate(conns):
+                    for i in range(1, 4):
+                        got = conn.execute(query, (k * 3 + i,)).fetchone()
+                        assert got == (f"v{k * 3 + i}" if not offset else f"n{k * 3 + i}",)
+
+            check_all()
+            admin.execute(f"alter table {table} add column extra int default 7")
+            check_all()
+            admin.execute(f"create index on {table} (v)")
+            admin.execute(f"alter table {table} drop column junk")
+            check_all()
+            admin.execute(f"update {table} set v = 'n' || id")
+            admin.execute(f"alter table {table} alter column v type varchar(20)")
+            # The result type changed (text -> varchar). PostgreSQL answers 0A000
+            # "cached plan must not change result type" to a client that keeps
+            # executing its old statement; a client that prepares the statement
+            # anew must get the new plan, as it would on PostgreSQL directly.
+            for conn in conns:
+                conn.close()
+            conns[:] = [
+                psycopg.connect(**proxy.conninfo(), autocommit=True, prepare_threshold=0)
+                for _ in range(4)
+            ]
+            check_all(offset=1)
+        finally:
+            for conn in conns:
+                conn.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_asyncpg_select_star_after_add_column(scry_proxy, pg, mode: str) -> None:
+    """asyncpg recovers from InvalidCachedStatementError by re-preparing the
+    statement (outside a transaction); that must work through the pool too."""
+    proxy = proxy_for(scry_proxy, mode, 2)
+    table = f"prep_star_{mode}"
+    admin = await asyncpg.connect(pg.dsn(user="postgres"))
+    conn = await asyncpg.connect(proxy.dsn())
+    try:
+        await admin.execute(f"drop table if exists {table}")
+        await admin.execute(f"create table {table} (id int primary key, v text)")
+        await admin.execute(f"insert into {table} values (1, 'one'), (2, 'two')")
+        await admin.execute(f"grant all on {table} to app")
+        row = await conn.fetchrow(f"select * from {table} where id = $1", 1)
+        assert tuple(row) == (1, "one")
+        await admin.execute(f"alter table {table} add column w int default 5")
+        row = await conn.fetchrow(f"select * from {table} where id = $1", 2)
+        assert tuple(row) == (2, "two", 5)
+        row = await conn.fetchrow(f"select * from {table} where id = $1", 1)
+        assert tuple(row) == (1, "one", 5)
+    finally:
+        await conn.close()
+        await admin.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reparse_same_name_after_close(scry_proxy, mode: str) -> None:
+    proxy = proxy_for(scry_proxy, mode, 2)
+    with (
+        psycopg.connect(**proxy.conninfo(), autocommit=True) as conn,
+        psycopg.connect(**proxy.conninfo(), autocommit=True) as other,
+    ):
+        pgconn = conn.pgconn
+        ok = psycopg.pq.ExecStatus.COMMAND_OK
+        tuples = psycopg.pq.ExecStatus.TUPLES_OK
+
+        def prepare(sql: bytes) -> None:
+            res = pgconn.prepare(b"st", sql)
+            assert res.status == ok, res.error_message
+
+        def run(param: bytes) -> bytes:
+            res = pgconn.exec_prepared(b"st", [param])
+            assert res.status == tuples, res.error_message
+            return res.get_value(0, 0)
+
+        def close() -> None:
+            res = pgconn.close_prepared(b"st")
+            assert res.status == ok, res.error_message
+
+        prepare(b"select $1::int + 1")
+        assert run(b"1") == b"2"
+        # Another client's traffic moves this client between servers.
+        assert other.execute("select 1").fetchone() == (1,)
+        close()
+        prepare(b"select $1::int + 100")  # same name, other text
+        assert run(b"1") == b"101"
+        other.execute("select 2")
+        assert run(b"2") == b"102"
+        close()
+        prepare(b"select $1::int + 1")  # same name, the first text again
+        assert run(b"5") == b"6"
+        close()
+        # Executing a closed statement fails as it would on PostgreSQL ...
+        res = pgconn.exec_prepared(b"st", [b"1"])
+        assert res.status == psycopg.pq.ExecStatus.FATAL_ERROR
+        assert res.error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"26000"
+        # ... and leaves the connection usable.
+        prepare(b"select $1::text || 'x'")
+        assert run(b"a") == b"ax"
+        assert conn.execute("select 'still fine'").fetchone() == ("still fine",)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pipeline_error_leaves_client_and_pool_healthy(scry_proxy, mode: str) -> None:
+    proxy = proxy_for(scry_proxy, mode, 2)
+    conns = [
+        psycopg.connect(**proxy.conninfo(), autocommit=True, prepare_threshold=0) for _ in range(3)
+    ]
+    try:
+        for round_ in range(12):
+            conn = conns[round_ % 3]
+            bad = round_ % 4  # where in the pipeline the failing statement sits
+            cursors = []
+            with pytest.raises(psycopg.errors.DivisionByZero), conn.pipeline() as p:
+                for k in range(5):
+                    if k == bad:
+                        cursors.append(conn.execute("select 1 / %s::int", (0,)))
+                    else:
+                        cursors.append(conn.execute("select %s::int * 10", (round_ * 10 + k,)))
+                p.sync()
+            for k, cur in enumerate(cursors[:bad]):
+                assert cur.fetchone() == ((round_ * 10 + k) * 10,)
+            # Everything after the error in the same Sync was skipped by the server.
+            # The connection works, with named statements, right away ...
+            assert conn.execute("select %s::int * 10", (round_,)).fetchone() == (round_ * 10,)
+            # ... in a pipeline with several Syncs, the failed one in the middle,
+            with conn.pipeline() as p:
+                first = conn.execute("select %s::text", (f"a{round_}",))
+                p.sync()
+                try:
+                    conn.execute("select 1 / %s::int", (0,))
+                    p.sync()
+                except psycopg.errors.DivisionByZero:
+                    pass
+                last = conn.execute("select %s::text", (f"b{round_}",))
+            assert first.fetchone() == (f"a{round_}",)
+            assert last.fetchone() == (f"b{round_}",)
+            # ... and inside a transaction block that the error aborted.
+            with (
+                pytest.raises(psycopg.errors.DivisionByZero),
+                conn.transaction(),
+                conn.pipeline(),
+            ):
+                conn.execute("select %s::int", (1,))
+                conn.execute("select 1 / %s::int", (0,))
+                conn.execute("select %s::int", (3,))
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            for other in conns:
+                assert other.execute("select %s::int + 1", (round_,)).fetchone() == (round_ + 1,)
+    finally:
+        for conn in conns:
+            conn.close()
+    log = proxy.log_text()
+    assert "server connection lost" not in log, proxy.log_tail()
