@@ -126,22 +126,21 @@ def serve(
     cfg = _load(config, overrides)
     config_path = str(config) if config is not None else None
 
-    from scry.workers import WorkerIdentity, resolve_workers, run_supervisor, run_worker
+    from scry.workers import WorkerIdentity, resolve_workers, run_worker
 
     if worker_id is not None:  # started by the supervisor (scry.workers)
-        n = workers or 1
-        ident = WorkerIdentity(worker_id, n, instance or os.getppid(), replace)
+        ident = WorkerIdentity(worker_id, workers or 1, instance or os.getppid(), replace)
         raise typer.Exit(run_worker(cfg, config_path, ident))
     try:
-        n = resolve_workers(cfg)
+        resolve_workers(cfg)  # a budget that cannot be divided is a config error
     except ValueError as exc:
         raise _fail(f"config error: {exc}") from None
-    if n > 1:
-        raise typer.Exit(run_supervisor(cfg, config_path, n, replace))
     from scry.proxy import run_proxy
 
-    ident = WorkerIdentity(0, 1, os.getpid(), replace)
-    raise typer.Exit(run_proxy(cfg, config_path, ident))
+    # run_proxy starts the supervisor when the config asks for several workers.
+    if replace:
+        raise typer.Exit(run_proxy(cfg, config_path, replace=True))
+    raise typer.Exit(run_proxy(cfg, config_path))
 
 
 def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None) -> int:
@@ -238,6 +237,162 @@ def tail(
     raise typer.Exit(
         tail_main(
             target, token, as_json=as_json, fingerprint=fingerprint, min_ms=min_ms, errors=errors
+        )
+    )
+
+
+# --- the console (scry_tui, imported lazily) -------------------------------------------
+
+TargetsArgument = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Admin endpoints: http://host:port, host:port or "
+        "ssh://[user@]host[:22]/ADMIN_HOST:ADMIN_PORT. Default: the fleet file "
+        "(~/.config/scry/fleet.yaml), else http://127.0.0.1:6480.",
+        show_default=False,
+    ),
+]
+FleetOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--fleet",
+        envvar="SCRY_FLEET",
+        help="Fleet file listing named targets and their tokens (see docs/console.md).",
+        dir_okay=False,
+        show_default=False,
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token", envvar="SCRY_ADMIN_TOKEN", help="Admin token for TARGETs.", show_default=False
+    ),
+]
+ReadOnlyOption = Annotated[
+    bool,
+    typer.Option(
+        "--read-only",
+        envvar="SCRY_CONSOLE_READ_ONLY",
+        help="Hide and refuse destructive actions (unpin, kill, trip, reset).",
+    ),
+]
+RefreshOption = Annotated[
+    float | None,
+    typer.Option(
+        "--refresh",
+        min=0.2,
+        envvar="SCRY_CONSOLE_REFRESH",
+        help="Seconds between polls (default 2; + and - change it live).",
+        show_default=False,
+    ),
+]
+ScreenshotDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--screenshot-dir",
+        envvar="SCRY_SCREENSHOT_DIR",
+        help="Where ctrl+s saves SVG screenshots (default: the current directory).",
+        file_okay=False,
+        show_default=False,
+    ),
+]
+
+
+def _console(
+    view: str,
+    targets: list[str] | None,
+    fleet: Path | None,
+    token: str | None,
+    read_only: bool,
+    refresh: float | None,
+    screenshot_dir: Path | None,
+) -> int:
+    from scry_tui.launch import run_console
+
+    return run_console(
+        targets,
+        view=view,
+        token=token,
+        fleet_file=fleet,
+        read_only=read_only,
+        refresh=refresh,
+        screenshot_dir=screenshot_dir,
+    )
+
+
+@app.command()
+def top(
+    targets: TargetsArgument = None,
+    fleet: FleetOption = None,
+    token: TokenOption = None,
+    read_only: ReadOnlyOption = False,
+    refresh: RefreshOption = None,
+    screenshot_dir: ScreenshotDirOption = None,
+) -> None:
+    """The console, opened on the fingerprint ranking."""
+    raise typer.Exit(_console("top", targets, fleet, token, read_only, refresh, screenshot_dir))
+
+
+@app.command()
+def console(
+    targets: TargetsArgument = None,
+    fleet: FleetOption = None,
+    token: TokenOption = None,
+    read_only: ReadOnlyOption = False,
+    refresh: RefreshOption = None,
+    screenshot_dir: ScreenshotDirOption = None,
+) -> None:
+    """The console, opened on the fleet overview."""
+    raise typer.Exit(_console("fleet", targets, fleet, token, read_only, refresh, screenshot_dir))
+
+
+@app.command()
+def screenshot(
+    targets: TargetsArgument = None,
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            envvar="SCRY_SCREENSHOT_OUT",
+            help="Directory for the SVG files (created if missing).",
+            file_okay=False,
+        ),
+    ] = Path("screenshots"),
+    view: Annotated[
+        str,
+        typer.Option(
+            "--view",
+            envvar="SCRY_SCREENSHOT_VIEWS",
+            help="Comma-separated views: fleet,top,tail,pools,pins,breaker,hot.",
+        ),
+    ] = "fleet,top,tail,pools,pins,breaker,hot",
+    fleet: FleetOption = None,
+    token: TokenOption = None,
+    size: Annotated[
+        str, typer.Option("--size", envvar="SCRY_SCREENSHOT_SIZE", help="COLUMNSxROWS.")
+    ] = "160x44",
+    settle: Annotated[
+        float,
+        typer.Option("--settle", min=0, help="Seconds to let data (and the tail) arrive per view."),
+    ] = 2.0,
+) -> None:
+    """Headless: render console views to SVG files (timestamp and targets in the frame)."""
+    from scry_tui.launch import run_screenshots
+
+    try:
+        cols, rows = (int(n) for n in size.lower().split("x"))
+    except ValueError:
+        raise _fail(f"--size must be COLUMNSxROWS, not {size!r}") from None
+    views = [v.strip() for v in view.split(",") if v.strip()]
+    raise typer.Exit(
+        run_screenshots(
+            targets,
+            out=out,
+            views=views,
+            token=token,
+            fleet_file=fleet,
+            size=(cols, rows),
+            settle=settle,
         )
     )
 

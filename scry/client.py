@@ -817,6 +817,13 @@ class ClientConnection(asyncio.Protocol):
         server.unlink()
         return server
 
+    def between_transactions(self) -> bool:
+        """Nothing running and no transaction open: closing loses no work in flight."""
+        server = self.server
+        if server is None:
+            return not self._queue
+        return server.clean and self._at_boundary() and not server.cancels_pending
+
     def drop_parked_server(self, server: ServerConnection) -> None:
         """Our parked server is going away while idle: forget it, quietly."""
         if self.server is server:

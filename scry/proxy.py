@@ -160,7 +160,8 @@ class Proxy:
             for client in list(self.clients):
                 if self._wait_for_clients:
                     break
-                if client.server is None or client.parked:
+                # Between transactions (no server, parked, or pinned but idle): go now.
+                if client.between_transactions():
                     client.fatal("57P01", "scry is shutting down")
             if not self.clients:
                 break
@@ -464,9 +465,24 @@ async def serve(
 
 
 def run_proxy(
-    config: Config, config_path: str | None, identity: WorkerIdentity | None = None
+    config: Config,
+    config_path: str | None,
+    identity: WorkerIdentity | None = None,
+    *,
+    replace: bool = False,
 ) -> int:
-    """Entry point for ``scry serve``: logging, uvloop, serve until stopped."""
+    """Entry point for ``scry serve``: logging, uvloop, serve until stopped.
+
+    Without an ``identity`` (not a worker of a supervisor) and with more than
+    one worker configured, this runs the supervisor instead (scry.workers).
+    """
+    if identity is None:
+        from scry.workers import resolve_workers, run_supervisor
+
+        workers = resolve_workers(config)
+        if workers > 1:
+            return run_supervisor(config, config_path, workers, replace)
+        identity = WorkerIdentity(instance=os.getpid(), replace=replace)
     setup_logging(config.log.level, config.log.format)
     try:
         import uvloop

@@ -40,15 +40,22 @@ class TailPrinter:
     def __init__(self, out: IO[str], as_json: bool) -> None:
         self.out = out
         self.as_json = as_json
-        tty = out.isatty()
-        self.console = Console(file=out, highlight=False, soft_wrap=not tty)
-        self.width = self.console.width if tty else 0
+        self.tty = out.isatty()
+        # Rendered to a string, then written by us: rich's own writes turn a
+        # closed pipe into SystemExit(1), and a pipe wants plain text.
+        self.console = Console(file=out, highlight=False) if self.tty else None
 
     def event(self, ev: TailEvent) -> None:
         if self.as_json:
             self.out.write(ev.model_dump_json() + "\n")
+        elif self.console is None:
+            self.out.write(self._line(ev).plain + "\n")
         else:
-            self.console.print(self._line(ev), no_wrap=bool(self.width), overflow="ellipsis")
+            line = self._line(ev)
+            line.truncate(self.console.width, overflow="ellipsis")
+            with self.console.capture() as captured:
+                self.console.print(line, no_wrap=True, crop=True)
+            self.out.write(captured.get())
         self.out.flush()
 
     def _line(self, ev: TailEvent) -> Text:

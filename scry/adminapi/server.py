@@ -198,9 +198,7 @@ class AdminServer:
             shutdown_timeout=1.0,
         )
         await runner.setup()
-        site = web.TCPSite(
-            runner, host, port, ssl_context=context, reuse_address=True, shutdown_timeout=1.0
-        )
+        site = web.TCPSite(runner, host, port, ssl_context=context, reuse_address=True)
         try:
             await site.start()
         except BaseException:
@@ -241,8 +239,8 @@ class AdminServer:
                 exc.status, "http_error"
             )
             return _error_response(exc.status, code, exc.reason)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the peer left: nothing to answer
         except Exception as exc:
             log.exception("admin request failed: %s %s", request.method, request.path)
             return _error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
@@ -385,12 +383,12 @@ class AdminServer:
                 while len(items) < TAIL_BATCH and not subscription.empty():
                     items.append({"type": "query", **subscription.get_nowait()})
                 await self._write(request, response, items, sse)
-        except (ConnectionResetError, TimeoutError):
+        except (ConnectionError, TimeoutError):
             pass  # the reader left, or stopped reading
         finally:
             subscription.close()
             self._tails.discard(subscription)
-        with contextlib.suppress(ConnectionResetError, RuntimeError):
+        with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write_eof()
         return response
 

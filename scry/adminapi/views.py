@@ -64,6 +64,7 @@ def status(
 ) -> s.Status:
     clock = Clock()
     pools = proxy.pools.values()
+    identity = getattr(proxy, "identity", None)  # scry.workers.WorkerIdentity
     listen = [
         _sockname(sock.getsockname()) for server in proxy.listeners for sock in server.sockets
     ]
@@ -73,10 +74,8 @@ def status(
         started_at=proxy.started_at,
         uptime_s=round(clock.wall - proxy.started_at, 3),
         pool_mode=proxy.config.pool.mode,
-        # One process serves everything today: `workers` in the config is not
-        # forked yet, so the honest figure is 1.
-        workers=1,
-        worker=0,
+        workers=getattr(identity, "workers", 1),
+        worker=getattr(proxy, "worker_id", 0),
         listen_addr=proxy.config.listen_addr,
         listen_addresses=listen,
         admin_addr=admin_addr,
@@ -183,8 +182,10 @@ def _current_statement(proxy: Proxy, client: ClientConnection) -> tuple[str | No
     if not inflight:
         return None, None
     try:
-        text = inflight[0][0]
+        text = inflight[0][-2]  # entries end with (..., text, t_received_ns)
     except IndexError:
+        return None, None
+    if not isinstance(text, bytes) or not text:
         return None, None
     observatory = proxy.observatory
     variant = observatory.fingerprinter.variants.get(text.translate(DIGITS_TO_ZERO))
@@ -203,8 +204,8 @@ def client_info(proxy: Proxy, client: ClientConnection, clock: Clock) -> s.Clien
     running_ms = None
     if inflight:
         try:
-            running_ms = round((clock.perf_ns - inflight[0][1]) / 1e6, 3)
-        except IndexError:
+            running_ms = round((clock.perf_ns - inflight[0][-1]) / 1e6, 3)
+        except (IndexError, TypeError):
             pass
     waiting = bool(client.waiting_since)
     return s.ClientInfo(
@@ -297,8 +298,11 @@ def pin_info(proxy: Proxy, client: ClientConnection, clock: Clock) -> s.PinInfo 
         application_name=client.application_name,
         reasons=list(described["reasons"]),
         replayable=bool(described["replayable"]),
-        since=round(clock.wall_of_mono(since), 3) if since else None,
-        pinned_s=round(clock.ago_mono(since), 3) if since else None,
+        # proxy.clock is coarse (one janitor tick): never before the client came.
+        since=round(max(clock.wall_of_mono(since), client.connected_at), 3) if since else None,
+        pinned_s=round(min(clock.ago_mono(since), clock.wall - client.connected_at), 3)
+        if since
+        else None,
         holding_server=server is not None,
         replay_pending=tracker.needs_replay,
         counts={k: int(v) for k, v in described["counts"].items()},
