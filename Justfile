@@ -26,3 +26,7 @@ lint:
 fmt:
     .venv/bin/ruff check --fix .
     .venv/bin/ruff format .
+
+# Regenerate screenshots/*.svg from a demo setup
+screenshots:
+    .venv/bin/python screenshots/generate.py

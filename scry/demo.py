@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import errno
 import logging
+import secrets
 import signal
 import socket
+import sys
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -207,6 +209,9 @@ def _config(cluster: DevCluster, mode: str, port: int) -> Config:
             "database_url": cluster.dsn(),
             "pool": {"mode": mode, "size": POOL_SIZE},
             "tls": {"server_tls_sslmode": "disable"},
+            # A free port (never a clash with a real scry on 6480) and a token, so the
+            # console's actions (unpin, trip, ...) work on the demo.
+            "admin": {"listen_addr": "127.0.0.1:0", "token": secrets.token_urlsafe(16)},
         }
     )
 
@@ -302,20 +307,23 @@ async def _demo(
         )
         prev: WorkloadSnapshot | None = None
         snap = stats.snapshot()
-        with Live(
-            render_status(snap, None, proxy, info),
-            console=console,
-            auto_refresh=False,
-            transient=False,
-            redirect_stderr=False,
-        ) as live:
-            while not stop.is_set() and not workload.done():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), REFRESH_SECONDS)
-                prev, snap = snap, stats.snapshot()
-                live.update(render_status(snap, prev, proxy, info), refresh=True)
-        if not console.is_terminal:
-            console.line()  # Live leaves its last frame without a newline here
+        if _console_wanted(console, duration) and proxy.admin is not None:
+            await _run_console(proxy, stop, workload)
+        else:
+            with Live(
+                render_status(snap, None, proxy, info),
+                console=console,
+                auto_refresh=False,
+                transient=False,
+                redirect_stderr=False,
+            ) as live:
+                while not stop.is_set() and not workload.done():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), REFRESH_SECONDS)
+                    prev, snap = snap, stats.snapshot()
+                    live.update(render_status(snap, prev, proxy, info), refresh=True)
+            if not console.is_terminal:
+                console.line()  # Live leaves its last frame without a newline here
         stop.set()
         try:
             await asyncio.wait_for(workload, WORKLOAD_STOP_TIMEOUT)
@@ -349,6 +357,43 @@ async def _demo(
             logger = logging.getLogger("scry")
             logger.handlers[:], level, logger.propagate = saved_logging
             logger.setLevel(level)
+
+
+def _console_wanted(console: Console, duration: float) -> bool:
+    """The interactive console replaces the panel on a terminal, until the operator quits.
+
+    ``--duration`` runs and non-terminal output (tests, pipes) keep the panel.
+    """
+    return not duration and console.is_terminal and sys.stdin.isatty()
+
+
+async def _run_console(proxy: Proxy, stop: asyncio.Event, workload: asyncio.Task[None]) -> None:
+    """Run the scry console (scry_tui) on the demo proxy's admin API, in this event loop.
+
+    Quitting the console (q) ends the demo; so do Ctrl-C and SIGTERM (``stop``)
+    and the workload ending.
+    """
+    from scry_tui.app import ScryConsole
+    from scry_tui.targets import make_target
+
+    assert proxy.admin is not None
+    target = make_target(
+        f"http://{proxy.admin.address}", name="demo", token=proxy.config.admin.token
+    )
+    app = ScryConsole([target], view="top", refresh=1.0)
+
+    async def watch() -> None:
+        done = asyncio.create_task(stop.wait())
+        await asyncio.wait({done, workload}, return_when=asyncio.FIRST_COMPLETED)
+        done.cancel()
+        app.exit()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await app.run_async()
+    finally:
+        watcher.cancel()
+        stop.set()
 
 
 def _run_loop(main: Coroutine[Any, Any, int]) -> int:
