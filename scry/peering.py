@@ -1,0 +1,428 @@
+"""Peering: cancel forwarding, shared breaker state and rolling restarts.
+
+A PostgreSQL CancelRequest arrives on a new connection, and with several
+workers behind one ``SO_REUSEPORT`` port (or several hosts behind a TCP load
+balancer) the kernel may hand it to a process that does not know the key.
+Every cancel key therefore says who owns it. The BackendKeyData pid scry
+gives a client is a positive int32::
+
+    bit  31      0 (the pid stays positive)
+    bits 17..30  peer id       (config ``peer_id``, 0..16383, as PgBouncer's)
+    bits 11..16  worker id     (0..63)
+    bit  10      VIA_PEER:  forwarded once over TCP by another peer
+    bit  9       VIA_LOCAL: forwarded once over a local socket by another worker
+    bits 0..8    random        (with the 32 random bits of the secret: 41 bits,
+                               more than PostgreSQL's own 32-bit secret)
+
+Forwarding rules (so a request can never loop, whatever the configs say):
+
+* the key is ours: cancel the client's query; done.
+* another peer's key: forward it over TCP as a plain CancelRequest to
+  ``peers[peer_id]``, with VIA_PEER set, only if neither flag is set yet.
+  A peer that does not own a key it got from a peer drops it (PgBouncer's rule).
+* our peer id but not found here: send it, with VIA_LOCAL set, to worker
+  ``worker_id`` of this instance and of any other scry instance on this port
+  (a rolling restart leaves the old one draining), only if VIA_LOCAL is not
+  set yet. At most one TCP hop and one local hop.
+
+Local traffic uses one Unix socket per worker, in a runtime directory private
+to the user: ``$XDG_RUNTIME_DIR or /tmp`` + ``/scry-<uid>/<port>/<instance>/w<N>.sock``
+(``instance`` is the supervisor's pid). One message per connection; the first
+byte says what it is::
+
+    b"C" + 16-byte CancelRequest        a forwarded cancel
+    b"J" + one JSON object + b"\\n"      {"op": "breaker", ...} a breaker transition
+                                        {"op": "takeover"} a rolling restart: the
+                                        reply carries the listening sockets (SCM_RIGHTS)
+
+Breaker sharing: when a worker's breaker opens or closes, it tells the other
+workers of its instance, which trip (``hold`` as the origin's) or reset theirs;
+a transition applied from a message is not sent on, so nothing echoes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import socket
+import struct
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition
+from scry.config import split_host_port
+from scry.log import event
+from scry.protocol.startup import CANCEL_REQUEST_CODE, cancel_request
+
+if TYPE_CHECKING:
+    from scry.proxy import Proxy
+
+__all__ = [
+    "KEY_MASK",
+    "MAX_PEER_ID",
+    "VIA_LOCAL",
+    "VIA_PEER",
+    "Peering",
+    "key_owner",
+    "new_cancel_key",
+    "remove_instance_dir",
+    "runtime_root",
+]
+
+PEER_SHIFT = 17
+WORKER_SHIFT = 11
+MAX_PEER_ID = (1 << 14) - 1
+WORKER_MASK = (1 << 6) - 1
+VIA_PEER = 1 << 10
+VIA_LOCAL = 1 << 9
+RANDOM_MASK = (1 << 9) - 1
+#: A registered key never has the hop flags set: mask them off to look one up.
+KEY_MASK = 0x7FFFFFFF & ~(VIA_PEER | VIA_LOCAL)
+
+CONNECT_TIMEOUT = 2.0
+TAKEOVER_TIMEOUT = 5.0
+WATCHDOG_INTERVAL = 1.0
+_CANCEL = struct.Struct("!iiiI")
+
+
+def new_cancel_key(peer_id: int, worker_id: int) -> tuple[int, int]:
+    """A fresh (pid, secret) that names its owner (peer and worker)."""
+    pid = (peer_id << PEER_SHIFT) | (worker_id << WORKER_SHIFT) | random.randint(1, RANDOM_MASK)
+    return pid, random.getrandbits(32)
+
+
+def key_owner(pid: int) -> tuple[int, int]:
+    """(peer id, worker id) encoded in a cancel key's pid."""
+    return (pid >> PEER_SHIFT) & MAX_PEER_ID, (pid >> WORKER_SHIFT) & WORKER_MASK
+
+
+# --------------------------------------------------------------------------- #
+# The runtime directory
+# --------------------------------------------------------------------------- #
+
+
+def runtime_root(port: int) -> Path:
+    """``<runtime>/scry-<uid>/<port>``: one directory per instance below it."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"scry-{os.getuid()}" / str(port)
+
+
+def _private_dir(path: Path) -> Path:
+    """Create ``path`` (mode 0700); refuse a ``scry-<uid>`` directory someone else owns."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    top = path.parent.parent
+    if top.stat().st_uid != os.getuid():
+        raise OSError(f"{top} belongs to another user")
+    return path
+
+
+def remove_instance_dir(port: int, instance: int) -> None:
+    """Remove an instance's directory (its sockets are gone with its workers)."""
+    _remove_dir(runtime_root(port) / str(instance))
+
+
+def _remove_dir(instance_dir: Path) -> None:
+    shutil.rmtree(instance_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        instance_dir.parent.rmdir()  # the port's directory, once no instance is left
+
+
+def _alive(sock_path: Path) -> bool:
+    """Someone listens on this socket (a dead instance leaves only the file)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(str(sock_path))
+        except OSError:
+            return False
+    return True
+
+
+def _instances(root: Path) -> list[Path]:
+    try:
+        return [p for p in root.iterdir() if p.is_dir() and p.name.isdigit()]
+    except FileNotFoundError:
+        return []
+
+
+def _live_instances(root: Path, own: int) -> list[Path]:
+    """Other instances on this port with a live worker; stale ones are removed."""
+    result = []
+    for inst in _instances(root):
+        if inst.name == str(own):
+            continue
+        if any(_alive(s) for s in inst.glob("w*.sock")):
+            result.append(inst)
+        else:
+            shutil.rmtree(inst, ignore_errors=True)  # a killed instance's leftovers
+    return result
+
+
+# --------------------------------------------------------------------------- #
+# Peering for one worker
+# --------------------------------------------------------------------------- #
+
+
+class Peering:
+    """The local socket of one worker, cancel forwarding and breaker sharing."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.identity = proxy.identity
+        self.worker_id = proxy.identity.worker_id
+        self.dir: Path | None = None
+        self.socket_path: Path | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._applying = False  # a breaker transition from another worker
+        self.forwarded = 0  # cancels sent on (to a worker or a peer)
+        self.dropped = 0  # cancels nobody here owns and that may not hop again
+
+    @property
+    def peer_id(self) -> int:
+        """``peer_id``, or a pgbouncer.ini's ``peer_id`` when scry runs from one."""
+        config = self.proxy.config
+        compat = getattr(config, "pgbouncer", None)
+        return config.peer_id or (compat.peer_id if compat is not None else 0)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def take_over_listeners(self) -> list[socket.socket]:
+        """Before binding: the listening sockets to use, or [] to bind fresh ones.
+
+        With ``--replace`` this worker takes the listening sockets of workers
+        ``j ≡ worker_id (mod workers)`` of the instance already serving the
+        port; they start draining (SHUTDOWN WAIT_FOR_CLIENTS). Connections
+        waiting in those sockets' accept queues are accepted here, so none is
+        refused. Without ``--replace``, another serving instance is an error.
+        """
+        port = self.proxy.config.listen_host_port[1]
+        if port == 0:
+            return []
+        root = runtime_root(port)
+        others = _live_instances(root, self.identity.instance)
+        if not self.identity.replace:
+            serving = [inst for inst in others if not (inst / "draining").exists()]
+            if serving:
+                raise OSError(
+                    f"another scry instance (pid {serving[0].name}) serves port {port}; "
+                    "start with --replace for a rolling restart"
+                )
+            return []
+        taken: list[socket.socket] = []
+        for inst in others:
+            for sock_path in sorted(inst.glob("w*.sock")):
+                j = int(sock_path.stem[1:])
+                if j % self.identity.workers == self.worker_id:
+                    taken += _request_takeover(sock_path)
+        if taken:
+            event("took over listening sockets", sockets=len(taken))
+        return taken
+
+    async def start(self) -> None:
+        """Listen on this worker's Unix socket (after the TCP listener is up)."""
+        port = self.proxy.listen_port
+        try:
+            self.dir = _private_dir(runtime_root(port) / str(self.identity.instance))
+            path = self.dir / f"w{self.worker_id}.sock"
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            self._server = await asyncio.start_unix_server(self._on_connection, str(path))
+            os.chmod(path, 0o600)
+            self.socket_path = path
+        except OSError as exc:
+            event("peering socket unavailable: cancels for other workers will be lost",
+                  logging.WARNING, error=str(exc))  # fmt: skip
+            return
+        if self.identity.workers > 1:
+            self._spawn(self._watch_supervisor())
+
+    def mark_draining(self) -> None:
+        """This instance no longer serves new clients (a replacement may start)."""
+        if self.dir is not None:
+            with contextlib.suppress(OSError):
+                (self.dir / "draining").touch()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.socket_path is not None:
+            with contextlib.suppress(OSError):
+                self.socket_path.unlink()
+            self.socket_path = None
+        if self.identity.workers == 1 and self.dir is not None:
+            _remove_dir(self.dir)  # no supervisor to do it
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_supervisor(self) -> None:
+        # A worker whose supervisor died (SIGKILL) must not live on unmanaged.
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL)
+            if os.getppid() != self.identity.instance:
+                event("supervisor gone: draining", logging.WARNING)
+                self.proxy.begin_drain()
+                return
+
+    # --- cancel forwarding --------------------------------------------------------------
+
+    def forward_cancel(self, pid: int, secret: int) -> None:
+        """A CancelRequest whose key is not in this worker's table."""
+        if pid <= 0:
+            return
+        peer, worker = key_owner(pid)
+        if peer != self.peer_id:
+            addr = self.proxy.config.peers.get(peer)
+            if addr is None or pid & (VIA_PEER | VIA_LOCAL):
+                self.dropped += 1
+                return
+            self.forwarded += 1
+            self._spawn(_send_tcp_cancel(addr, pid | VIA_PEER, secret))
+            return
+        if pid & VIA_LOCAL or self.dir is None:
+            self.dropped += 1
+            return
+        targets = [
+            path
+            for inst in _instances(self.dir.parent)
+            if (path := inst / f"w{worker}.sock") != self.socket_path and path.exists()
+        ]
+        if not targets:
+            self.dropped += 1
+            return
+        self.forwarded += 1
+        payload = b"C" + cancel_request(pid | VIA_LOCAL, secret)
+        for path in targets:
+            self._spawn(_send_unix(path, payload))
+
+    # --- breaker sharing ----------------------------------------------------------------
+
+    def breaker_changed(self, breaker: CircuitBreaker, transition: Transition) -> None:
+        """Tell the other workers of this instance that a breaker opened or closed."""
+        if self._applying or self.identity.workers == 1 or self.dir is None:
+            return
+        if (
+            transition.to_state not in (OPEN, CLOSED)
+            or transition.from_state is transition.to_state
+        ):
+            return
+        message = {
+            "op": "breaker",
+            "db": breaker.name,
+            "state": str(transition.to_state),
+            "held": breaker.held,
+            "reason": transition.reason,
+            "worker": self.worker_id,
+        }
+        payload = b"J" + json.dumps(message).encode() + b"\n"
+        for path in self.dir.glob("w*.sock"):
+            if path != self.socket_path:
+                self._spawn(_send_unix(path, payload))
+
+    def _apply_breaker(self, message: dict[str, Any]) -> None:
+        breaker = self.proxy.breaker_for(str(message["db"]))
+        reason = f"worker {message.get('worker')}: {message.get('reason', '')}"
+        self._applying = True
+        try:
+            if message["state"] == str(OPEN):
+                breaker.trip(reason, hold=bool(message.get("held")))
+            elif message["state"] == str(CLOSED):
+                breaker.reset(reason)
+        finally:
+            self._applying = False
+
+    # --- the local socket ---------------------------------------------------------------
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            kind = await asyncio.wait_for(reader.read(1), CONNECT_TIMEOUT)
+            if not kind:
+                return  # a liveness probe (another instance starting on this port)
+            if kind == b"C":
+                body = await asyncio.wait_for(reader.readexactly(16), CONNECT_TIMEOUT)
+                _length, code, pid, secret = _CANCEL.unpack(body)
+                if code == CANCEL_REQUEST_CODE:
+                    self.proxy.handle_cancel(pid, secret)
+            elif kind == b"J":
+                line = await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT)
+                message = json.loads(line)
+                if message.get("op") == "breaker":
+                    self._apply_breaker(message)
+                elif message.get("op") == "takeover":
+                    await self._hand_over(writer)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, KeyError) as exc:
+            event("bad message on the peering socket", logging.WARNING, error=repr(exc))
+        finally:
+            writer.close()
+
+    async def _hand_over(self, writer: asyncio.StreamWriter) -> None:
+        """Rolling restart: give our listening sockets to the new instance, then drain."""
+        proxy = self.proxy
+        self.mark_draining()
+        if proxy.admin is not None:
+            await proxy.admin.stop()  # free its port for the new instance's admin
+            proxy.admin = None
+        fds = [
+            s.fileno()
+            for server in proxy.listeners
+            for s in server.sockets
+            if s.family in (socket.AF_INET, socket.AF_INET6)
+        ]
+        transport_sock = writer.get_extra_info("socket")
+        # Blocking send on a dup: the pseudo-socket of the transport has no sendmsg.
+        with socket.socket(fileno=os.dup(transport_sock.fileno())) as conn:
+            conn.setblocking(True)
+            socket.send_fds(conn, [b"ok"], fds)
+        event("listening sockets handed over: draining until clients leave",
+              sockets=len(fds), clients=len(proxy.clients))  # fmt: skip
+        proxy.begin_drain(wait_for_clients=True)
+
+
+def _request_takeover(sock_path: Path) -> list[socket.socket]:
+    """Ask one worker of the old instance for its listening sockets (blocking; at start)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(TAKEOVER_TIMEOUT)
+            conn.connect(str(sock_path))
+            conn.sendall(b"J" + json.dumps({"op": "takeover"}).encode() + b"\n")
+            _msg, fds, _flags, _addr = socket.recv_fds(conn, 16, 64)
+    except OSError as exc:
+        event("takeover failed; binding fresh sockets", logging.WARNING,
+              socket=str(sock_path), error=str(exc))  # fmt: skip
+        return []
+    return [socket.socket(fileno=fd) for fd in fds]
+
+
+async def _send_unix(path: Path, payload: bytes) -> None:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), CONNECT_TIMEOUT)
+        writer.write(payload)
+        await writer.drain()
+        writer.close()
+    except (OSError, TimeoutError):
+        pass  # that worker is gone (restarting, or an instance that just stopped)
+
+
+async def _send_tcp_cancel(addr: str, pid: int, secret: int) -> None:
+    host, port = split_host_port(addr)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+        writer.write(cancel_request(pid, secret))
+        await writer.drain()
+        writer.close()
+    except (OSError, TimeoutError) as exc:
+        event("cancel request could not reach peer", logging.WARNING, peer=addr, error=str(exc))

@@ -1,0 +1,307 @@
+"""Worker processes: fleet budgets, worker identity, and the supervisor.
+
+``scry serve`` with ``workers: N`` (N > 1, or ``auto``) runs a supervisor and
+N worker processes. Each worker is a whole scry (``scry.proxy.Proxy`` on its
+own uvloop) that binds the same listen address with ``SO_REUSEPORT``; the
+kernel spreads new connections across them. The supervisor accepts no
+connections. It::
+
+    starts the workers ──► watches them ──► restarts one that dies (backoff)
+         ▲                     │
+         │ SIGHUP/SIGINT/SIGTERM forwarded to every worker
+         └── exits when every worker has exited on purpose (exit code 0)
+
+Budgets are fleet budgets: :func:`share` divides ``pool.size``, ``min_size``,
+``reserve_size`` and ``max_client_conn`` (top level and per database) so that
+the workers together never exceed what the config says. Cancel forwarding,
+shared breaker state and rolling restarts live in :mod:`scry.peering`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from scry.config import Config, PoolConfig, PoolOverride
+from scry.log import event, logger, setup_logging
+
+__all__ = [
+    "MAX_WORKERS",
+    "Supervisor",
+    "WorkerIdentity",
+    "resolve_workers",
+    "run_supervisor",
+    "run_worker",
+    "share",
+    "worker_config",
+]
+
+#: Worker ids are 6 bits of the cancel key (see scry.peering).
+MAX_WORKERS = 64
+#: The budgets divided across workers.
+DIVIDED = ("size", "min_size", "reserve_size", "max_client_conn")
+
+# Restart backoff: 0.1 s doubling to 10 s; a worker that ran this long resets it.
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 10.0
+BACKOFF_RESET_AFTER = 30.0
+
+
+# --------------------------------------------------------------------------- #
+# Identity and budgets (pure)
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Who this process is within its instance (and the instance among peers)."""
+
+    worker_id: int = 0
+    workers: int = 1
+    #: The supervisor's pid (the process's own pid when there is no supervisor).
+    instance: int = 0
+    #: Take over the listening sockets of the instance already on this port.
+    replace: bool = False
+
+    def share_of(self, config: Config) -> Config:
+        """``config`` with this worker's share of every fleet budget."""
+        return worker_config(config, self.workers, self.worker_id)
+
+
+def share(total: int, workers: int, worker_id: int) -> int:
+    """This worker's part of a fleet budget of ``total``.
+
+    Floor division, the remainder going one each to the lowest worker ids, so
+    the shares always add up to exactly ``total``: 10 over 4 workers is
+    3, 3, 2, 2. With ``total < workers`` the highest ids get 0 (see
+    :func:`resolve_workers` for why that never happens to ``pool.size``).
+    """
+    if not 0 <= worker_id < workers:
+        raise ValueError(f"worker id {worker_id} out of range for {workers} workers")
+    base, extra = divmod(total, workers)
+    return base + (1 if worker_id < extra else 0)
+
+
+def _divide(values: dict[str, Any], workers: int, worker_id: int) -> dict[str, Any]:
+    return {
+        key: share(value, workers, worker_id)
+        for key in DIVIDED
+        if (value := values.get(key)) is not None
+    }
+
+
+def worker_config(config: Config, workers: int, worker_id: int) -> Config:
+    """The config one worker runs with: every divided budget replaced by its share.
+
+    Only worker 0 serves the admin API (the others would fight for its port).
+    ``workers == 1`` returns ``config`` itself.
+    """
+    if workers == 1:
+        return config
+    pool = config.pool.model_copy(update=_divide(config.pool.model_dump(), workers, worker_id))
+    databases = {}
+    for name, db in config.databases.items():
+        if db.pool is not None:
+            shares = _divide(db.pool.model_dump(), workers, worker_id)
+            db = db.model_copy(update={"pool": db.pool.model_copy(update=shares)})
+        databases[name] = db
+    update: dict[str, Any] = {"pool": pool, "databases": databases}
+    if worker_id != 0 and config.admin.enabled:
+        update["admin"] = config.admin.model_copy(update={"enabled": False})
+    return config.model_copy(update=update)
+
+
+def _budgets(config: Config) -> dict[str, int]:
+    """The smallest size and max_client_conn any database runs with."""
+    pools: list[PoolConfig | PoolOverride] = [config.pool]
+    pools += [db.pool for db in config.databases.values() if db.pool is not None]
+    sizes = [p.size for p in pools if p.size is not None]
+    conns = [p.max_client_conn for p in pools if p.max_client_conn is not None]
+    return {"pool.size": min(sizes), "max_client_conn": min(conns)}
+
+
+def resolve_workers(config: Config) -> int:
+    """The number of workers to run; raises ValueError with an operator's message.
+
+    ``auto`` is the number of usable cores, capped so that every worker gets at
+    least one server connection and one client slot of every database. An
+    explicit number that cannot give every worker a connection is an error:
+    silently opening more than ``pool.size`` connections would break the budget.
+    """
+    budgets = _budgets(config)
+    if config.workers == "auto":
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+        return max(1, min(cores, MAX_WORKERS, *budgets.values()))
+    workers = int(config.workers)
+    if workers > MAX_WORKERS:
+        raise ValueError(f"workers: at most {MAX_WORKERS} (found {workers})")
+    for name, budget in budgets.items():
+        if workers > budget:
+            raise ValueError(
+                f"workers: {workers} workers cannot share {name} {budget}: every worker "
+                f"needs at least one; lower workers or raise {name}"
+            )
+    if workers > 1 and config.listen_host_port[1] == 0:
+        raise ValueError("workers: several workers need a fixed listen port, not port 0")
+    return workers
+
+
+# --------------------------------------------------------------------------- #
+# A worker process
+# --------------------------------------------------------------------------- #
+
+
+class _WorkerField(logging.Filter):
+    """Adds ``worker=N`` to every log line of a worker process."""
+
+    def __init__(self, worker_id: int) -> None:
+        super().__init__()
+        self.worker_id = worker_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = getattr(record, "fields", None) or {}
+        record.fields = {**fields, "worker": self.worker_id}
+        return True
+
+
+def run_worker(config: Config, config_path: str | None, identity: WorkerIdentity) -> int:
+    """Entry point of a worker process (``scry serve --worker-id I`` from the supervisor)."""
+    from scry.proxy import run_proxy
+
+    if identity.workers > 1:
+        logger.addFilter(_WorkerField(identity.worker_id))
+    return run_proxy(config, config_path, identity)
+
+
+# --------------------------------------------------------------------------- #
+# The supervisor
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _Worker:
+    worker_id: int
+    proc: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    generation: int = 0
+    crashes: int = 0  # consecutive quick deaths, for the backoff
+    done: bool = False  # exited on purpose; not restarted
+
+
+class Supervisor:
+    """Starts, watches and signals the worker processes of one instance."""
+
+    def __init__(
+        self,
+        config: Config,
+        config_path: str | None,
+        workers: int,
+        replace: bool = False,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.workers = [_Worker(i) for i in range(workers)]
+        self.replace = replace
+        self.instance = os.getpid()
+        self.stopping = 0  # stop signals received
+        self.exit_code = 0
+        self._stop_event = asyncio.Event()
+
+    def command(self, worker: _Worker) -> list[str]:
+        cmd = [sys.executable, "-m", "scry.cli", "serve"]
+        if self.config_path is not None:
+            cmd += ["-c", self.config_path]
+        cmd += ["--workers", str(len(self.workers)), "--worker-id", str(worker.worker_id)]
+        cmd += ["--instance", str(self.instance)]
+        if self.replace and worker.generation == 1:
+            cmd.append("--replace")  # only the first generation takes over the old instance
+        return cmd
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+        event("supervisor starting workers", workers=len(self.workers), pid=self.instance,
+              addr=self.config.listen_addr)  # fmt: skip
+        watchers = [loop.create_task(self._watch(worker)) for worker in self.workers]
+        await asyncio.gather(*watchers)
+        from scry.peering import remove_instance_dir
+
+        remove_instance_dir(self.config.listen_host_port[1], self.instance)
+        event("supervisor stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    async def _spawn(self, worker: _Worker) -> None:
+        worker.generation += 1
+        worker.started = time.monotonic()
+        # Own process group: a terminal's Ctrl-C reaches only the supervisor,
+        # which forwards it once (a worker seeing it twice would stop at once).
+        worker.proc = await asyncio.create_subprocess_exec(
+            *self.command(worker), stdin=asyncio.subprocess.DEVNULL, process_group=0
+        )
+        event("worker started", worker=worker.worker_id, pid=worker.proc.pid,
+              generation=worker.generation)  # fmt: skip
+
+    async def _watch(self, worker: _Worker) -> None:
+        while not self.stopping:
+            await self._spawn(worker)
+            assert worker.proc is not None
+            code = await worker.proc.wait()
+            ran = time.monotonic() - worker.started
+            if code == 0 or self.stopping:
+                event("worker exited", worker=worker.worker_id, exit_code=code)
+                break
+            if code == 1 and worker.generation == 1 and ran < BACKOFF_RESET_AFTER:
+                # Could not start at all (port taken, bad TLS files): restarting won't help.
+                event("worker could not start; stopping", logging.ERROR,
+                      worker=worker.worker_id, exit_code=code)  # fmt: skip
+                self.exit_code = 1
+                self._stop_all(signal.SIGTERM)
+                break
+            worker.crashes = 0 if ran >= BACKOFF_RESET_AFTER else worker.crashes + 1
+            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(0, worker.crashes - 1))
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            event("worker died; restarting", logging.ERROR, worker=worker.worker_id,
+                  how=how, ran_s=round(ran, 1), restart_in_s=delay)  # fmt: skip
+            await self._sleep_unless_stopping(delay)
+        worker.done = True
+
+    async def _sleep_unless_stopping(self, delay: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_event.wait(), delay)
+
+    def _live(self) -> list[asyncio.subprocess.Process]:
+        return [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
+
+    def _forward(self, sig: int) -> None:
+        event("signal received: forwarding to workers", signal=signal.Signals(sig).name)
+        for proc in self._live():
+            proc.send_signal(sig)
+
+    def _on_stop_signal(self, sig: int) -> None:
+        self.stopping += 1
+        self._stop_event.set()
+        self._forward(sig)
+
+    def _stop_all(self, sig: int) -> None:
+        self.stopping += 1
+        self._stop_event.set()
+        for proc in self._live():
+            proc.send_signal(sig)
+
+
+def run_supervisor(config: Config, config_path: str | None, workers: int, replace: bool) -> int:
+    """Entry point for ``scry serve`` with more than one worker."""
+    setup_logging(config.log.level, config.log.format)
+    return asyncio.run(Supervisor(config, config_path, workers, replace).run())
