@@ -20,7 +20,7 @@ import logging
 import ssl
 import time
 from collections import deque
-from time import perf_counter_ns
+from time import monotonic, perf_counter_ns
 from typing import TYPE_CHECKING
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
@@ -54,6 +54,7 @@ _SYNC = m.SYNC[0]
 _F = m.FUNCTION_CALL[0]
 _X = m.TERMINATE[0]
 _EXECUTE = m.EXECUTE[0]
+_MARKED = frozenset(x[0] for x in (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH))
 _PARSE = m.PARSE[0]
 _BIND = m.BIND[0]
 _COPY_DONE = m.COPY_DONE[0]
@@ -70,6 +71,9 @@ CLIENT_WANT = (
     m.COPY_FAIL,
     m.PARSE,
 )
+# Reported without their bodies: enough to know a batch is open until its Sync.
+CLIENT_MARK = (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH)
+_EXTENDED = frozenset(x[0] for x in (m.PARSE, m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH, m.EXECUTE))
 
 # Settings PostgreSQL reports with ParameterStatus that a client may change;
 # scry re-applies them on whichever server serves the client.
@@ -168,7 +172,7 @@ class ClientConnection(asyncio.Protocol):
         self.tls = False
         self.server: ServerConnection | None = None
         self.connected_at = time.time()
-        self.connected_clock = proxy.clock  # coarse monotonic, for client_login_timeout
+        self.connected_clock = monotonic()  # for client_login_timeout
         self.cancel_key: tuple[int, int] | None = None
         self.transaction_pooling = True
         self.statement_pooling = False
@@ -180,7 +184,14 @@ class ClientConnection(asyncio.Protocol):
         self._startup_buf = bytearray()
         self._reader: MessageReader | None = None
         self._auth: ClientAuthExchange | None = None
-        self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size)
+        self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size, mark=CLIENT_MARK)
+        # Extended-protocol messages sent since the last Sync: the server owes
+        # nothing yet but is mid-batch, so it must not change hands.
+        self._unsynced = False
+        # An unnamed statement was parsed and not yet executed (pg8000 parses,
+        # syncs, then binds): the Bind may land on another server.
+        self._unnamed_open = False
+        self._unnamed_rest: bytes | None = None  # its last unnamed Parse, after the name
         # Client data waiting for a server: (bytes or whole messages, ReadyForQuery owed).
         self._queue: list[tuple[bytes | list[tuple[int, bytes]], int]] = []
         self._queued_owed = 0
@@ -480,12 +491,17 @@ class ClientConnection(asyncio.Protocol):
         # What to time, in order (see REC_* in scry.server): a record per statement.
         texts: list[tuple[int, bytes]] | None = [] if self.observed else None
         tracker = self.tracker
-        self.last_active = self.proxy.clock
+        to_messages = False
+        self.last_active = monotonic()
         for kind, end, body in events:
             # Query, Sync and FunctionCall are each answered by one ReadyForQuery.
             if kind == _SYNC:
                 owed += 1
                 self._syncs_since_execute += 1
+                self._unsynced = False
+                if self._unnamed_open and self.transaction_pooling:
+                    # Parsed, synced, not executed: the Bind may come on another server.
+                    to_messages = True
                 if texts is not None:
                     texts.append(_SYNC_MARK)
                 if tracker is not None:
@@ -493,15 +509,24 @@ class ClientConnection(asyncio.Protocol):
             elif kind == _Q:
                 owed += 1
                 self._syncs_since_execute = 0
+                self._unnamed_open = False  # a simple Query drops the unnamed statement
                 if texts is not None:
                     texts.append((REC_QUERY, body))
                 if tracker is not None:
                     tracker.on_query(body, self.ordinal + owed)
             elif kind == _EXECUTE:
                 self._syncs_since_execute = 0
+                self._unsynced = True
+                self._unnamed_open = False
                 if texts is not None:
                     texts.append((REC_EXECUTE, self._last_text))
+            elif kind in _MARKED:
+                self._unsynced = True
             elif kind == _PARSE:
+                self._unsynced = True
+                if body[:1] == b"\x00":
+                    self._unnamed_open = True
+                    self._unnamed_rest = body[1:]
                 text = parse_text(body)
                 self._last_text = text
                 if tracker is not None:
@@ -515,6 +540,7 @@ class ClientConnection(asyncio.Protocol):
             elif kind == _F:
                 owed += 1
                 self._syncs_since_execute = 0
+                self._unsynced = False
                 if texts is not None:
                     texts.append(_FUNCTION_CALL_MARK)
             elif kind == _X:
@@ -537,14 +563,29 @@ class ClientConnection(asyncio.Protocol):
             if server is not None:  # the common case, inlined
                 self.unanswered = None
                 if not server.pending:
-                    server.busy_since = self.last_active
+                    server.busy_since = monotonic()
                 server.pending += owed
                 server.statements.segments_sent += owed
                 server.transport.write(out)  # type: ignore[union-attr]
             else:
                 self._forward(out, owed, len(out))
+        if to_messages and not terminate and self._scanner.at_boundary:
+            self._enter_message_mode()
         if terminate:
             self._cleanup("client closed")
+
+    def _enter_message_mode(self) -> None:
+        """Read whole messages from now on, so statements can be rewritten."""
+        self._messages = MessageReader(self.proxy.config.max_packet_size)
+        statements = self.statements = ClientStatements()
+        statements.unnamed = self._unnamed_rest
+        self._unnamed_text = self._last_text
+        if self.server is not None and self._unnamed_rest is not None:
+            self.server.statements.unnamed_owner = statements
+
+    @property
+    def message_mode(self) -> bool:
+        return self._messages is not None
 
     def _forward(self, payload: bytes | list[tuple[int, bytes]], owed: int, size: int) -> None:
         """Send to our server, or queue and ask the pool for one."""
@@ -555,7 +596,7 @@ class ClientConnection(asyncio.Protocol):
             self.unanswered = None  # more than the first batch: no longer retryable
             data = payload if isinstance(payload, bytes) else self._render(payload, server)
             if not server.pending:
-                server.busy_since = self.last_active
+                server.busy_since = monotonic()
             server.pending += owed
             server.statements.segments_sent += owed
             server.transport.write(data)  # type: ignore[union-attr]
@@ -572,7 +613,11 @@ class ClientConnection(asyncio.Protocol):
 
     def _render(self, messages: list[tuple[int, bytes]], server: ServerConnection) -> bytes:
         assert self.statements is not None
-        return rewrite_statements(messages, self.statements, server.statements)
+        try:
+            return rewrite_statements(messages, self.statements, server.statements)
+        except ProtocolViolation as exc:
+            self.fatal(exc.sqlstate, str(exc))
+            return b""
 
     def _copy_ignored_syncs(self, texts: list[tuple[int, bytes]] | None) -> int:
         """PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent after the
@@ -610,9 +655,7 @@ class ClientConnection(asyncio.Protocol):
         if parse_start < 0:
             return False
         head, tail = out[:parse_start], out[parse_start:] + self._scanner.detach()
-        self._messages = MessageReader(self.proxy.config.max_packet_size)
-        self.statements = ClientStatements()
-        self._unnamed_text = self._last_text
+        self._enter_message_mode()
         self.ordinal += owed
         if texts:
             self._note_inflight(texts)
@@ -637,46 +680,56 @@ class ClientConnection(asyncio.Protocol):
         size = 0
         texts: list[tuple[int, bytes]] | None = [] if self.observed else None
         tracker = self.tracker
-        self.last_active = self.proxy.clock
-        for index, (kind, body) in enumerate(messages):
-            if kind == _SYNC:
-                owed += 1
-                self._syncs_since_execute += 1
-                if texts is not None:
-                    texts.append(_SYNC_MARK)
-                if tracker is not None:
-                    tracker.on_sync(self.ordinal + owed)
-            elif kind in (_Q, _F):
-                owed += 1
-                self._syncs_since_execute = 0
-                if texts is not None:
-                    texts.append((REC_QUERY, body) if kind == _Q else _FUNCTION_CALL_MARK)
-                if tracker is not None and kind == _Q:
-                    tracker.on_query(body, self.ordinal + owed)
-            elif kind == _EXECUTE:
-                self._syncs_since_execute = 0
-                if texts is not None:
-                    texts.append((REC_EXECUTE, self._last_text))
-            elif kind == _PARSE:
-                text = parse_text(body)
-                if body[:1] == b"\x00":
-                    self._unnamed_text = text
+        self.last_active = monotonic()
+        try:
+            for index, (kind, body) in enumerate(messages):
+                if kind in _EXTENDED:
+                    self._unsynced = True
+                if kind == _SYNC:
+                    owed += 1
+                    self._syncs_since_execute += 1
+                    self._unsynced = False
+                    if texts is not None:
+                        texts.append(_SYNC_MARK)
                     if tracker is not None:
-                        # Named statements run their text at each Execute; protocol-level
-                        # prepares are tracked by scry itself and never pin.
-                        tracker.on_parse(text)
-                elif texts is not None:
-                    self._named_texts[body[: body.index(b"\x00")]] = text
-            elif kind == _BIND:
-                if texts is not None:
-                    self._last_text = self._bound_text(body)
-            elif kind == _X:
-                del messages[index:]
-                terminate = True
-                break
-            elif kind in (_COPY_DONE, _COPY_FAIL):
-                owed -= self._copy_ignored_syncs(texts)
-            size += len(body) + 5
+                        tracker.on_sync(self.ordinal + owed)
+                elif kind in (_Q, _F):
+                    owed += 1
+                    self._syncs_since_execute = 0
+                    self._unnamed_open = False
+                    if texts is not None:
+                        texts.append((REC_QUERY, body) if kind == _Q else _FUNCTION_CALL_MARK)
+                    if tracker is not None and kind == _Q:
+                        tracker.on_query(body, self.ordinal + owed)
+                elif kind == _EXECUTE:
+                    self._syncs_since_execute = 0
+                    self._unnamed_open = False
+                    if texts is not None:
+                        texts.append((REC_EXECUTE, self._last_text))
+                elif kind == _PARSE:
+                    text = parse_text(body)
+                    if body[:1] == b"\x00":
+                        self._unnamed_open = True
+                        self._unnamed_text = text
+                        if tracker is not None:
+                            # Named statements run their text at each Execute; protocol-level
+                            # prepares are tracked by scry itself and never pin.
+                            tracker.on_parse(text)
+                    elif texts is not None:
+                        self._named_texts[body[: body.index(b"\x00")]] = text
+                elif kind == _BIND:
+                    if texts is not None:
+                        self._last_text = self._bound_text(body)
+                elif kind == _X:
+                    del messages[index:]
+                    terminate = True
+                    break
+                elif kind in (_COPY_DONE, _COPY_FAIL):
+                    owed -= self._copy_ignored_syncs(texts)
+                size += len(body) + 5
+        except (ValueError, IndexError):  # a body cut short of its fields
+            self.fatal(PROTOCOL_VIOLATION, "malformed extended-protocol message")
+            return
         self.ordinal += owed
         if texts:
             self._note_inflight(texts)
@@ -694,6 +747,9 @@ class ClientConnection(asyncio.Protocol):
         return self._unnamed_text
 
     def _at_boundary(self) -> bool:
+        """Between whole batches: no partial message and no extended batch left unsynced."""
+        if self._unsynced:
+            return False
         if self._messages is not None:
             return self._messages.buffered == 0
         return self._scanner.at_boundary
@@ -774,7 +830,7 @@ class ClientConnection(asyncio.Protocol):
             # the same messages can go to another server.
             self.unanswered = self._queue
             self._queue = []
-            server.busy_since = self.last_active
+            server.busy_since = monotonic()
             server.pending += self._queued_owed
             self._queued_owed = 0
             self._queued_bytes = 0
@@ -790,7 +846,7 @@ class ClientConnection(asyncio.Protocol):
         self._retried = False
         pool = self.pool
         assert pool is not None
-        if not pool.waiters:
+        if not pool.waiters and not pool.paused:
             # Nobody needs it now: keep it (no release/acquire per transaction)
             # and hand it over as soon as another client asks for one.
             if not self.parked:

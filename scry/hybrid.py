@@ -33,6 +33,23 @@ if TYPE_CHECKING:
 
 _TX_IDLE = ord("I")
 
+# Settings PostgreSQL reports with ParameterStatus: scry follows them for every
+# client and re-applies them on whichever server serves it, so they never pin.
+FOLLOWED_SETTINGS = frozenset(
+    {
+        "application_name",
+        "client_encoding",
+        "datestyle",
+        "intervalstyle",
+        "timezone",
+        "standard_conforming_strings",
+    }
+)
+
+
+def _unfollowed(effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
+    return tuple(e for e in effects if not (e.reason == "set" and e.key in FOLLOWED_SETTINGS))
+
 
 class SessionTracker:
     """Session state of one client, and what is still to be settled."""
@@ -77,13 +94,13 @@ class SessionTracker:
     def on_query(self, body: bytes, ordinal: int) -> None:
         """A Query message, completed by ReadyForQuery number ``ordinal``."""
         effects = classify_bytes(body)
-        if effects:
+        if effects and (effects := _unfollowed(effects)):
             self.queued.append((ordinal, effects, body))
             self.work = True
 
     def on_parse(self, text: bytes) -> None:
         """A Parse message: its effects land with the next Sync."""
-        effects = classify(text.decode("utf-8", "replace"))
+        effects = _unfollowed(classify(text.decode("utf-8", "replace")))
         self._parse_effects = (effects, text) if effects else None
 
     def on_sync(self, ordinal: int) -> None:

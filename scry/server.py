@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from time import perf_counter_ns
+from time import monotonic, perf_counter_ns
 from typing import TYPE_CHECKING
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
@@ -134,8 +134,8 @@ class ServerConnection(asyncio.Protocol):
         self.statements = ServerStatements(pool.settings.max_prepared_statements)
         self.breaker = pool.breaker
         self.proxy = pool.proxy
-        self.busy_since = 0.0  # proxy.clock when the oldest unanswered request was sent
-        self.ready_at = 0.0  # proxy.clock when it last answered everything
+        self.busy_since = 0.0  # monotonic() when the oldest unanswered request was sent
+        self.ready_at = 0.0  # monotonic() when it last answered everything
         self.observe = pool.proxy.observatory.record
         self.last_tag = b""  # CommandComplete tag of the statement running now
         self.sqlstate: str | None = None  # its ErrorResponse code, if any
@@ -298,7 +298,7 @@ class ServerConnection(asyncio.Protocol):
                     statements.on_ready()
                 release = self.pending <= 0 and body[0] == _TX_IDLE
                 if self.pending <= 0:
-                    self.ready_at = self.proxy.clock
+                    self.ready_at = monotonic()
                     if body[0] != _TX_IDLE and client.statement_pooling:
                         client.refuse_transaction_block()
                 sqlstate = self.sqlstate
@@ -472,8 +472,12 @@ class ServerConnection(asyncio.Protocol):
         self.state = ACTIVE
         self.client = client
         self.pending = 0
-        if self.statements.expect:  # all answered while idle; nothing may linger
-            self.statements.expect.clear()
+        statements = self.statements
+        if statements.expect:  # all answered while idle; nothing may linger
+            statements.expect.clear()
+        if not client.message_mode:
+            # Its unnamed Parses are not followed: the unnamed statement is nobody's.
+            statements.unnamed_owner = None
         wanted = client.params
         if self.applied is not wanted:
             if self.applied != wanted:

@@ -95,20 +95,33 @@ _NO_EVENTS: list[ScanEvent] = []  # shared and never mutated: callers only itera
 class MessageScanner:
     """Finds the messages of interest in a stream without copying the rest."""
 
-    __slots__ = ("_want", "_max", "_max_collect", "_held", "_remaining", "_collect", "_kind")
+    __slots__ = (
+        "_want",
+        "_max",
+        "_max_collect",
+        "_held",
+        "_remaining",
+        "_collect",
+        "_collect_limit",
+        "_kind",
+    )
 
     def __init__(
         self,
         want: Iterable[bytes | int],
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         max_collect: int = DEFAULT_MAX_COLLECT,
+        mark: Iterable[bytes | int] = (),
     ) -> None:
-        self._want = frozenset(w[0] if isinstance(w, bytes) else w for w in want)
+        # message type -> copy its body? (``mark`` types are reported with b"").
+        self._want: dict[int, bool] = {w[0] if isinstance(w, bytes) else w: False for w in mark}
+        self._want.update((w[0] if isinstance(w, bytes) else w, True) for w in want)
         self._max = max_message_size
         self._max_collect = max_collect
         self._held = b""  # an incomplete header from the previous chunk
         self._remaining = 0  # body bytes of the current message still to come
         self._collect: bytearray | None = None  # body being gathered across chunks
+        self._collect_limit = max_collect
         self._kind = 0
 
     @property
@@ -133,8 +146,9 @@ class MessageScanner:
             (length,) = _unpack_len(data, 1)
             if length + 1 == n and 4 <= length <= self._max + 4:
                 kind = data[0]
-                if kind in self._want:
-                    return data, [(kind, n, data[5 : 5 + self._max_collect])]
+                copy = self._want.get(kind)
+                if copy is not None:
+                    return data, [(kind, n, data[5 : 5 + self._max_collect] if copy else b"")]
                 return data, _NO_EVENTS
         if self._held:
             data = self._held + data
@@ -167,18 +181,21 @@ class MessageScanner:
             if length < 4 or length - 4 > limit:
                 _check_length(kind, length, limit)
             end = pos + 1 + length
+            copy = want.get(kind)
             if end > n:
                 self._remaining = end - n
-                if kind in want:
+                if copy is not None:
                     self._kind = kind
                     self._collect = bytearray()
+                    self._collect_limit = self._max_collect if copy else 0
                     self._gather(self._collect, data[pos + 5 :])
                 return data, events
-            if kind in want:
-                events.append((kind, end, data[pos + 5 : min(end, pos + 5 + self._max_collect)]))
+            if copy is not None:
+                body = data[pos + 5 : min(end, pos + 5 + self._max_collect)] if copy else b""
+                events.append((kind, end, body))
             pos = end
 
     def _gather(self, collect: bytearray, part: bytes) -> None:
-        room = self._max_collect - len(collect)
+        room = self._collect_limit - len(collect)
         if room > 0:
             collect += part[:room]

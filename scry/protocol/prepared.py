@@ -33,6 +33,7 @@ from collections import OrderedDict, deque
 from typing import NamedTuple
 
 from scry.protocol import messages as m
+from scry.protocol.errors import ProtocolViolation
 
 _P = m.PARSE[0]
 _B = m.BIND[0]
@@ -67,7 +68,15 @@ class Expected(NamedTuple):
 class ServerStatements:
     """The prepared statements one backend holds, and the responses owed for them."""
 
-    __slots__ = ("capacity", "names", "uncertain", "expect", "segments_sent", "segments_done")
+    __slots__ = (
+        "capacity",
+        "names",
+        "uncertain",
+        "expect",
+        "segments_sent",
+        "segments_done",
+        "unnamed_owner",
+    )
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -80,11 +89,14 @@ class ServerStatements:
         # equal whenever the server is idle, so links need no reset.
         self.segments_sent = 0
         self.segments_done = 0
+        # Whose unnamed statement this backend holds (a ClientStatements), if known.
+        self.unnamed_owner: object | None = None
 
     def forget_all(self) -> None:
         """DISCARD ALL / DEALLOCATE ALL ran: the backend has no statements left."""
         self.names.clear()
         self.uncertain.clear()
+        self.unnamed_owner = None
 
     def on_response(self, kind: int) -> bool:
         """ParseComplete or CloseComplete arrived: True if the client must not see it."""
@@ -115,12 +127,18 @@ class ServerStatements:
 
 
 class ClientStatements:
-    """A client's named prepared statements: client name -> (server name, Parse body rest)."""
+    """A client's named prepared statements: client name -> (server name, Parse body rest).
 
-    __slots__ = ("by_name",)
+    ``unnamed`` is the rest of its last unnamed Parse: a client may parse the
+    unnamed statement, Sync, and bind it later (pg8000 does), by which time it
+    may be on another server; it is then parsed there again first.
+    """
+
+    __slots__ = ("by_name", "unnamed")
 
     def __init__(self) -> None:
         self.by_name: dict[bytes, tuple[bytes, bytes]] = {}
+        self.unnamed: bytes | None = None
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -141,7 +159,19 @@ def uses_named_statement(kind: int, body: bytes) -> bool:
 def rewrite(
     messages: list[tuple[int, bytes]], client: ClientStatements, server: ServerStatements
 ) -> bytes:
-    """Rewrite a batch of whole client messages for ``server``; returns the bytes to send."""
+    """Rewrite a batch of whole client messages for ``server``; returns the bytes to send.
+
+    Raises ProtocolViolation for a message whose body lacks its fields.
+    """
+    try:
+        return _rewrite(messages, client, server)
+    except (ValueError, IndexError) as exc:
+        raise ProtocolViolation("malformed extended-protocol message") from exc
+
+
+def _rewrite(
+    messages: list[tuple[int, bytes]], client: ClientStatements, server: ServerStatements
+) -> bytes:
     out: list[bytes] = []
     expect = server.expect
     # The caller adds the batch's Sync/Query/FunctionCall count to
@@ -152,6 +182,8 @@ def rewrite(
             nul = body.index(b"\x00")
             name, rest = body[:nul], body[nul + 1 :]
             if not name:
+                client.unnamed = rest
+                server.unnamed_owner = client
                 expect.append(Expected(PARSE_COMPLETE, False, segment))
                 out.append(_msg(kind, body))
                 continue
@@ -166,6 +198,8 @@ def rewrite(
             portal_end = body.index(b"\x00")
             stmt_end = body.index(b"\x00", portal_end + 1)
             name = body[portal_end + 1 : stmt_end]
+            if not name:
+                _ensure_unnamed(out, client, server, segment)
             known = client.by_name.get(name) if name else None
             if known is None:
                 out.append(_msg(kind, body))
@@ -174,6 +208,8 @@ def rewrite(
             out.append(_msg(_B, body[: portal_end + 1] + sname + body[stmt_end:]))
         elif kind in (_D, _C):
             name = body[1:-1]
+            if kind == _D and body[0] == _STATEMENT and not name:
+                _ensure_unnamed(out, client, server, segment)
             if body[0] != _STATEMENT or not name or name not in client.by_name:
                 if kind == _C:
                     expect.append(Expected(CLOSE_COMPLETE, False, segment))
@@ -189,8 +225,22 @@ def rewrite(
         else:
             if kind in (_SYNC, _Q, _F):
                 segment += 1
+                if kind == _Q:  # a simple Query replaces the unnamed statement
+                    client.unnamed = None
+                    server.unnamed_owner = None
             out.append(_msg(kind, body))
     return b"".join(out)
+
+
+def _ensure_unnamed(
+    out: list[bytes], client: ClientStatements, server: ServerStatements, segment: int
+) -> None:
+    """Before a Bind/Describe of the unnamed statement: make sure it is the client's."""
+    if server.unnamed_owner is client or client.unnamed is None:
+        return
+    server.unnamed_owner = client
+    server.expect.append(Expected(PARSE_COMPLETE, True, segment))
+    out.append(_msg(_P, b"\x00" + client.unnamed))
 
 
 def _ensure(
