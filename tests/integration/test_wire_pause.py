@@ -1,0 +1,184 @@
+"""PAUSE / RESUME through the admin API, with PgBouncer's semantics.
+
+PAUSE holds new queries, waits for the servers to finish what they run
+(transactions in transaction/hybrid mode, sessions in session mode), then
+closes the servers. RESUME lets the held queries run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import psycopg
+import pytest
+
+TOKEN = "wire-pause-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_proxy(scry_proxy, mode: str, size: int = 2):
+    port = free_port()
+    proxy = scry_proxy(
+        {
+            "pool": {"mode": mode, "size": size},
+            "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{port}", "token": TOKEN},
+            "timeouts": {"query_wait_timeout": 30},
+        }
+    )
+    proxy.admin_port = port
+    return proxy
+
+
+def admin_post(proxy, action: str, **query: Any) -> dict[str, Any]:
+    qs = "&".join(f"{k}={v}" for k, v in query.items())
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{proxy.admin_port}/api/v1/{action}" + (f"?{qs}" if qs else ""),
+        method="POST",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        data=b"",
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+class Background:
+    """Run ``fn`` in a thread; ``result()`` waits for it."""
+
+    def __init__(self, fn) -> None:
+        self.value: list[Any] = []
+        self.thread = threading.Thread(target=lambda: self.value.append(self._call(fn)))
+        self.thread.start()
+
+    @staticmethod
+    def _call(fn) -> Any:
+        try:
+            return fn()
+        except BaseException as exc:  # handed to the test
+            return exc
+
+    @property
+    def done(self) -> bool:
+        return bool(self.value)
+
+    def result(self, timeout: float) -> Any:
+        self.thread.join(timeout)
+        assert self.value, "still running"
+        return self.value[0]
+
+
+def connect(proxy, **kw: Any) -> psycopg.Connection:
+    kw.setdefault("autocommit", True)
+    return psycopg.connect(**proxy.conninfo(), **kw)
+
+
+def live_backends(pg, proxy) -> int:
+    pids = [int(p) for p in re.findall(r"backend_pid=(\d+)", proxy.log_text())]
+    with psycopg.connect(pg.dsn(user="postgres", sslmode="disable"), autocommit=True) as conn:
+        row = conn.execute(
+            "select count(*) from pg_stat_activity where pid = any(%s)", (pids,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def wait_for(predicate, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+    return result
+
+
+@pytest.mark.parametrize("mode", ["transaction", "hybrid"])
+def test_pause_waits_for_the_transaction_and_holds_new_queries(scry_proxy, pg, mode: str) -> None:
+    proxy = make_proxy(scry_proxy, mode)
+    a = connect(proxy, autocommit=False)
+    b = connect(proxy)
+    try:
+        b.execute("select 1")  # logged in and served once before the pause
+        a.execute("select 'in a transaction'")
+        pause = Background(lambda: admin_post(proxy, "pause", wait=10))
+        time.sleep(0.5)
+        assert not pause.done, "PAUSE returned while a transaction was open"
+        held = Background(lambda: b.execute("select 'b after resume'").fetchone())
+        time.sleep(0.3)
+        a.commit()  # the running transaction ends: now the pause completes
+        result = pause.result(5)
+        assert isinstance(result, dict) and result["complete"] is True, result
+        assert result["paused"] is True
+        wait_for(lambda: live_backends(pg, proxy) == 0, 3, "the servers to be closed")
+        time.sleep(0.3)
+        assert not held.done, "a query ran while paused"
+        resumed = admin_post(proxy, "resume")
+        assert resumed["paused"] is False
+        assert held.result(5) == ("b after resume",)
+        assert a.execute("select 'a fine'").fetchone() == ("a fine",)
+        a.commit()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_pause_with_an_idle_client_holding_its_server(scry_proxy, pg) -> None:
+    # Transaction mode keeps an idle client's server with it while nobody
+    # waits; PAUSE must take it back rather than wait for the client.
+    proxy = make_proxy(scry_proxy, "transaction")
+    with connect(proxy) as a:
+        a.execute("select 1")
+        started = time.monotonic()
+        result = admin_post(proxy, "pause", wait=5)
+        assert result["complete"] is True, result
+        assert time.monotonic() - started < 2
+        held = Background(lambda: a.execute("select 'a after resume'").fetchone())
+        time.sleep(0.4)
+        assert not held.done
+        admin_post(proxy, "resume")
+        assert held.result(5) == ("a after resume",)
+
+
+def test_pause_completes_when_a_transaction_ends_with_nobody_waiting(scry_proxy, pg) -> None:
+    proxy = make_proxy(scry_proxy, "transaction")
+    with connect(proxy, autocommit=False) as a:
+        a.execute("select 1")
+        pause = Background(lambda: admin_post(proxy, "pause", wait=2))
+        time.sleep(0.4)
+        a.commit()
+        result = pause.result(4)
+        assert isinstance(result, dict), result
+        assert result["complete"] is True, (
+            f"PAUSE did not complete after the only transaction ended: {result}"
+        )
+        admin_post(proxy, "resume")
+
+
+def test_pause_in_session_mode_waits_for_the_session(scry_proxy, pg) -> None:
+    proxy = make_proxy(scry_proxy, "session")
+    a = connect(proxy)
+    a.execute("select 1")
+    result = admin_post(proxy, "pause", wait=0.5)
+    assert result["complete"] is False  # a session client still holds its server
+    a.close()
+    result = admin_post(proxy, "pause", wait=5)
+    assert result["complete"] is True, result
+    wait_for(lambda: live_backends(pg, proxy) == 0, 3, "the servers to be closed")
+
+    def new_session() -> object:
+        with connect(proxy) as conn:
+            return conn.execute("select 'new session'").fetchone()
+
+    held = Background(new_session)
+    time.sleep(0.4)
+    assert not held.done
+    admin_post(proxy, "resume")
+    assert held.result(5) == ("new session",)
