@@ -15,6 +15,7 @@ owed, at a message boundary on both sides.
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import itertools
 import logging
 import ssl
@@ -256,6 +257,11 @@ class ClientConnection(asyncio.Protocol):
 
     def _startup_data(self, data: bytes) -> None:
         buf = self._startup_buf
+        if not buf and not self.tls and data[:1] == b"\x16":
+            # A TLS ClientHello with no SSLRequest first: PostgreSQL 17's direct
+            # TLS negotiation (sslnegotiation=direct, ALPN "postgresql").
+            self._direct_tls(data)
+            return
         buf += data
         while self.state is STARTUP:
             try:
@@ -282,6 +288,50 @@ class ClientConnection(asyncio.Protocol):
                 return
             else:
                 self._begin_login(packet)
+
+    def _direct_tls(self, hello: bytes) -> None:
+        context = self.proxy.client_tls.context
+        if context is None:
+            event("direct TLS from a client, but client TLS is disabled", logging.WARNING,
+                  client=self.id, addr=self.addr)  # fmt: skip
+            self._cleanup("direct TLS without client_tls", quiet=True)
+            return
+        # The ClientHello is already read, so asyncio's start_tls cannot be used:
+        # put an SSL protocol between the transport and us by hand and hand it
+        # the bytes we took (asyncio's SSLProtocol works on memory BIOs).
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        tls = asyncio.sslproto.SSLProtocol(
+            loop, self, context, waiter, server_side=True, call_connection_made=False,
+            ssl_handshake_timeout=30,
+        )  # fmt: skip
+        raw = self.transport
+        raw.set_protocol(tls)
+        tls.connection_made(raw)
+        self.transport = tls._app_transport  # type: ignore[assignment]
+        self.tls = True
+        loop.create_task(self._direct_tls_done(waiter))
+        view = memoryview(hello)
+        while view:  # SSLProtocol is a BufferedProtocol: copy into its buffer
+            buffer = tls.get_buffer(len(view))
+            n = min(len(buffer), len(view))
+            buffer[:n] = view[:n]
+            tls.buffer_updated(n)
+            view = view[n:]
+
+    async def _direct_tls_done(self, waiter: asyncio.Future[None]) -> None:
+        try:
+            await waiter
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+            event("client TLS handshake failed", logging.WARNING, client=self.id,
+                  error=str(exc) or type(exc).__name__)  # fmt: skip
+            if self.state is not CLOSED:
+                self._cleanup("TLS handshake failed", quiet=True)
+            return
+        selected = self.transport.get_extra_info("ssl_object")
+        if selected is not None and selected.selected_alpn_protocol() != "postgresql":
+            # PostgreSQL requires the ALPN for direct TLS; so do we.
+            self.fatal(PROTOCOL_VIOLATION, "direct TLS requires ALPN protocol postgresql")
 
     def _upgrade_to_tls(self, context: ssl.SSLContext) -> None:
         # Nothing may be read between our 'S' and the handshake taking over.
