@@ -79,6 +79,7 @@ BREAKER_OPEN_SQLSTATE = "57P03"
 # SQLSTATEs that say the *server* is sick rather than the query being wrong.
 # Whole classes: 08 connection exception, 58 system error (I/O), XX internal.
 _SICK_CLASSES = frozenset({"08", "58", "XX"})
+_PROTOCOL_VIOLATION = "08P01"
 # Class 53 insufficient resources, except 53400 configuration_limit_exceeded,
 # which is one query hitting temp_file_limit and the like.
 _SICK_CODES = frozenset(
@@ -107,6 +108,8 @@ def classify_sqlstate(code: str, *, query_timeout: bool = False) -> bool:
     integrity constraint, 25 transaction state, 40 rollback, 42 syntax or
     access, ...) is the application's error and the server answered it fine.
     """
+    if code == _PROTOCOL_VIOLATION:
+        return False  # PostgreSQL refusing a client's malformed message: the client's fault
     if code in _SICK_CODES or code[:2] in _SICK_CLASSES:
         return True
     return query_timeout and code == _QUERY_CANCELED

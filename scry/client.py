@@ -671,9 +671,14 @@ class ClientConnection(asyncio.Protocol):
 
     def _copy_ignored_syncs(self, texts: list[tuple[int, bytes]] | None) -> int:
         """PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent after the
-        Execute that started the copy earns no ReadyForQuery. Returns how many."""
+        Execute that started the copy earns no ReadyForQuery. Returns how many.
+
+        Only while a COPY FROM STDIN is really running: outside one PostgreSQL
+        ignores CopyDone/CopyFail and answers every Sync."""
         ignored = self._syncs_since_execute
         self._syncs_since_execute = 0
+        if self.server is None or not self.server.copy_in:
+            return 0
         for _ in range(ignored):
             # Forget the newest Sync marker still queued (here or already in flight).
             for queue in (texts, self.inflight):

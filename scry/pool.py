@@ -366,7 +366,7 @@ class Pool:
         if todo:
             server = await self._borrow()
             done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            server.run_internal(settings_sql({}, todo), done.set_result)
+            server.run_internal(settings_sql({}, todo), done.set_result, resync=False)
             ok = await done
             if not ok:
                 fields = server.internal_error_fields or {"M": "invalid startup setting"}

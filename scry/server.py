@@ -60,14 +60,17 @@ RELAY_WANT = (
     m.ERROR_RESPONSE,
     m.PARSE_COMPLETE,
     m.CLOSE_COMPLETE,
+    m.COPY_IN_RESPONSE,
 )
 _PARSE_COMPLETE = m.PARSE_COMPLETE[0]
 _C = m.COMMAND_COMPLETE[0]
+_COPY_IN = m.COPY_IN_RESPONSE[0]
 _EMPTY_QUERY = m.EMPTY_QUERY_RESPONSE[0]
 _PORTAL_SUSPENDED = m.PORTAL_SUSPENDED[0]
 _CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 
 _ids = itertools.count(1)
+INTERNAL_QUERY_TIMEOUT = 10.0  # seconds for a reset or check query before the server is dropped
 
 CONNECTING, LOGIN, IDLE, ACTIVE, INTERNAL, CLOSED = (
     "connecting",
@@ -126,6 +129,9 @@ class ServerConnection(asyncio.Protocol):
         self._internal_error = False
         self.internal_error_fields: dict[str, str] | None = None
         self._tls_answer: asyncio.Future[bytes] | None = None
+        self._internal_timer: asyncio.TimerHandle | None = None
+        self._internal_answers = 0
+        self.copy_in = False  # PostgreSQL is reading COPY data from the client
         self.tls = False
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
@@ -315,8 +321,11 @@ class ServerConnection(asyncio.Protocol):
                             t_done = perf_counter_ns()
                         self._record(client, self.last_tag, sqlstate, t_done)
                 self.last_tag = b""
+            elif kind == _COPY_IN:
+                self.copy_in = True
             elif kind == _C:
                 self.last_tag = body
+                self.copy_in = False
                 inflight = client.inflight
                 if inflight and inflight[0][0] == REC_EXECUTE:
                     if not t_done:
@@ -338,6 +347,7 @@ class ServerConnection(asyncio.Protocol):
                 self.params[name] = value
                 client.on_parameter_status(self, name, value)
             elif kind == _E and not self.swallow:
+                self.copy_in = False
                 self.statements.on_error()
                 fields = m.parse_fields(body)
                 self.sqlstate = fields.get("C", "XX000")
@@ -434,13 +444,32 @@ class ServerConnection(asyncio.Protocol):
 
     # --- internal queries (reset, health check) --------------------------------
 
-    def run_internal(self, sql: str, done: Callable[[bool], None]) -> None:
-        """Run ``sql`` with no client attached; ``done(ok)`` when it is ready again."""
+    def run_internal(self, sql: str, done: Callable[[bool], None], resync: bool = True) -> None:
+        """Run ``sql`` with no client attached; ``done(ok)`` when it is ready again.
+
+        ``resync`` sends a Sync first: if the last client left PostgreSQL
+        skipping messages after an extended-protocol error, that ends it, and
+        otherwise it only costs one extra ReadyForQuery.
+        """
         self.state = INTERNAL
         self._internal_done = done
+        self._internal_answers = 2 if resync else 1
         self._internal_error = False
         self.internal_error_fields: dict[str, str] | None = None
-        self.transport.write(m.query(sql))  # type: ignore[union-attr]
+        # A server that does not answer our own query in time is not trusted again.
+        self._internal_timer = asyncio.get_running_loop().call_later(
+            INTERNAL_QUERY_TIMEOUT, self._internal_timed_out
+        )
+        payload = m.query(sql)
+        self.transport.write(m.sync() + payload if resync else payload)  # type: ignore[union-attr]
+
+    def _internal_timed_out(self) -> None:
+        self._internal_timer = None
+        done, self._internal_done = self._internal_done, None
+        if self.state is INTERNAL:
+            self.close("no answer to scry's own query (reset or check)")
+            if done is not None:
+                done(False)
 
     def _internal_data(self, data: bytes) -> None:
         try:
@@ -456,8 +485,15 @@ class ServerConnection(asyncio.Protocol):
                 name, value = m.parse_parameter_status(body)
                 self.params[name] = value
             elif kind == _Z:
+                self._internal_answers -= 1
+                if self._internal_answers > 0:
+                    self._internal_error = False  # that answered the Sync: the old state
+                    continue
                 done = self._internal_done
                 self._internal_done = None
+                if self._internal_timer is not None:
+                    self._internal_timer.cancel()
+                    self._internal_timer = None
                 self.tx_status = body[0]
                 self.state = IDLE
                 ok = not self._internal_error and body[0] == _TX_IDLE
