@@ -70,7 +70,7 @@ _PORTAL_SUSPENDED = m.PORTAL_SUSPENDED[0]
 _CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 
 _ids = itertools.count(1)
-INTERNAL_QUERY_TIMEOUT = 10.0  # seconds for a reset or check query before the server is dropped
+INTERNAL_QUERY_TIMEOUT = 2.0  # seconds for a reset or check query before the server is dropped
 
 CONNECTING, LOGIN, IDLE, ACTIVE, INTERNAL, CLOSED = (
     "connecting",

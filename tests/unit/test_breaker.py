@@ -104,7 +104,7 @@ def test_user_errors_do_not_count(code: str) -> None:
 
 @pytest.mark.parametrize(
     "code",
-    ["08000", "08003", "08006", "08001", "08P01", "53000", "53100", "53200", "53300",
+    ["08000", "08003", "08006", "08001", "53000", "53100", "53200", "53300",
      "57P01", "57P02", "57P03", "57P04", "58000", "58030", "XX000", "XX001", "XX002"],
 )  # fmt: skip
 def test_sick_server_errors_count(code: str) -> None:
@@ -438,3 +438,8 @@ def test_config_fields() -> None:
     assert CircuitBreakerConfig().half_open_max_probes == 1
     with pytest.raises(ConfigError, match="half_open_max_probes"):
         load_config(None, env=ENV, overrides={"circuit_breaker.half_open_max_probes": 0})
+
+
+def test_protocol_violation_is_the_clients_fault() -> None:
+    # PostgreSQL answers a client's malformed message with 08P01: no sign of sickness.
+    assert classify_sqlstate("08P01") is False
