@@ -120,16 +120,26 @@ class Bouncer:
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SCRY_")}
+        as_user: dict[str, object] = {}
         if self.kind == "pgbouncer":
             cmd = [PGBOUNCER, str(self.ini)]
             if os.getuid() == 0:
-                cmd = ["runuser", "-u", "postgres", "--", *cmd]
+                # PgBouncer refuses root. Switch user in the child itself (not via
+                # runuser) so that our signals reach PgBouncer and it really stops.
+                as_user = {"user": "postgres", "group": "postgres", "extra_groups": []}
         else:
             env["SCRY_ADMIN__ENABLED"] = "false"  # no HTTP admin port to collide on
             cmd = [sys.executable, "-m", "scry.pgbouncer.cli", str(self.ini)]
         out = open(self.dir / f"{self.kind}.out", "ab")  # noqa: SIM115 - closed in stop()
         self._out = out
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=out)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=out,
+            **as_user,  # type: ignore[call-overload]
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
