@@ -112,6 +112,11 @@ class View(Vertical):
             text.append(f"/{self.filter_text}", style="bold magenta")
         self.query_one(f"#{self.view_id}-caption", Static).update(text)
 
+    def set_caption_with_gaps(self, *parts: str | Text | tuple[str, str]) -> None:
+        """The caption, followed by a warning when some proxy's data is missing."""
+        note = self.down_note()
+        self.set_caption(*parts, *(() if note is None else (note,)))
+
     def refresh_view(self) -> None:  # pragma: no cover - every view overrides it
         raise NotImplementedError
 

@@ -78,10 +78,7 @@ class BreakerView(View):
             ("  ·  ", "dim"),
             (f"{opened} not closed", "bold red" if opened else "green"),
         ]
-        note = self.down_note()
-        if note is not None:
-            parts.append(note)
-        self.set_caption(*parts)
+        self.set_caption_with_gaps(*parts)
         self.show_detail(selected_key(table))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:

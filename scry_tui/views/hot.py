@@ -82,7 +82,4 @@ class HotView(View):
             f"{len(t_rows)} tables · {len(v_rows)} values",
             ("  ·  counts are sketch estimates", "dim"),
         ]
-        note = self.down_note()
-        if note is not None:
-            parts.append(note)
-        self.set_caption(*parts)
+        self.set_caption_with_gaps(*parts)

@@ -86,10 +86,7 @@ class PinsView(View):
             ("  ·  ", "dim"),
             (f"{stuck} not replayable", "bold yellow" if stuck else "dim"),
         ]
-        note = self.down_note()
-        if note is not None:
-            parts.append(note)
-        self.set_caption(*parts)
+        self.set_caption_with_gaps(*parts)
         self.show_detail(selected_key(table))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:

@@ -145,10 +145,7 @@ class PoolsView(View):
             ("  ·  ", "dim"),
             (f"{waiting} waiting", "bold yellow" if waiting else "dim"),
         ]
-        note = self.down_note()
-        if note is not None:
-            parts.append(note)
-        self.set_caption(*parts)
+        self.set_caption_with_gaps(*parts)
 
     def selected_client(self) -> tuple[str, str] | None:
         """(proxy, client id) under the clients table's cursor."""

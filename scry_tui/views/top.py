@@ -83,10 +83,7 @@ class TopView(View):
             ("  ·  ", "dim"),
             f"{len(rows)} fingerprints",
         ]
-        note = self.down_note()
-        if note is not None:
-            parts.append(note)
-        self.set_caption(*parts)
+        self.set_caption_with_gaps(*parts)
 
     def cells(self, rank: int, row: TopRow) -> list[object]:
         q = row.query
