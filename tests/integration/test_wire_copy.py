@@ -13,7 +13,6 @@ import asyncio
 import io
 import os
 import re
-import socket
 import struct
 import subprocess
 import threading
@@ -25,120 +24,25 @@ import pg8000.native
 import psycopg
 import psycopg.errors
 import pytest
+from rawpg import (
+    COPY_DONE,
+    SYNC,
+    Raw,
+    bind,
+    copy_data,
+    copy_fail,
+    execute,
+    fields,
+    kinds,
+    parse,
+    q,
+)
 
 MODES = ["session", "transaction", "hybrid"]
-PROTOCOL_3 = 196608
 PSQL = "/usr/bin/psql"
 TABLE = "wire_copy"
 DEFERRED = "wire_copy_deferred"
 POOL_SIZE = 2
-
-
-# --- a tiny raw protocol client --------------------------------------------------------
-
-
-def msg(kind: bytes, body: bytes = b"") -> bytes:
-    return kind + struct.pack("!i", len(body) + 4) + body
-
-
-def cstr(text: str | bytes) -> bytes:
-    return (text.encode() if isinstance(text, str) else text) + b"\0"
-
-
-def q(sql: str) -> bytes:
-    return msg(b"Q", cstr(sql))
-
-
-def parse(sql: str, name: str = "") -> bytes:
-    return msg(b"P", cstr(name) + cstr(sql) + struct.pack("!h", 0))
-
-
-def bind() -> bytes:
-    return msg(b"B", cstr("") + cstr("") + struct.pack("!hhh", 0, 0, 0))
-
-
-def execute() -> bytes:
-    return msg(b"E", cstr("") + struct.pack("!i", 0))
-
-
-def copy_data(data: bytes) -> bytes:
-    return msg(b"d", data)
-
-
-def copy_fail(reason: str) -> bytes:
-    return msg(b"f", cstr(reason))
-
-
-SYNC = msg(b"S")
-COPY_DONE = msg(b"c")
-TERMINATE = msg(b"X")
-
-
-def fields(body: bytes) -> dict[str, str]:
-    return {chr(p[0]): p[1:].decode(errors="replace") for p in body.split(b"\0") if p}
-
-
-class Raw:
-    """A blocking protocol-3 client for a trust-auth proxy."""
-
-    def __init__(self, port: int, user: str = "app", database: str = "app") -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
-        self.buf = b""
-        body = struct.pack("!i", PROTOCOL_3) + cstr("user") + cstr(user)
-        body += cstr("database") + cstr(database) + b"\0"
-        self.sock.sendall(struct.pack("!i", len(body) + 4) + body)
-        login = self.until("Z")
-        assert "E" not in kinds(login), login
-
-    def send(self, *parts: bytes) -> None:
-        self.sock.sendall(b"".join(parts))
-
-    def recv(self) -> tuple[str, bytes]:
-        while True:
-            if len(self.buf) >= 5:
-                (length,) = struct.unpack_from("!i", self.buf, 1)
-                if len(self.buf) >= 1 + length:
-                    kind, body = chr(self.buf[0]), self.buf[5 : 1 + length]
-                    self.buf = self.buf[1 + length :]
-                    return kind, body
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise EOFError(f"connection closed; buffered {self.buf!r}")
-            self.buf += chunk
-
-    def until(self, kind: str) -> list[tuple[str, bytes]]:
-        out = []
-        while True:
-            item = self.recv()
-            out.append(item)
-            if item[0] == kind:
-                return out
-
-    def until_ready(self) -> list[tuple[str, bytes]]:
-        return self.until("Z")
-
-    def nothing_extra(self) -> None:
-        """No stray message (such as a second ReadyForQuery) follows: the answer
-        to a sentinel query comes next, and nothing else."""
-        self.send(q("select 'sentinel'"))
-        got = self.until_ready()
-        assert kinds(got) == "TDCZ", f"unexpected messages before the sentinel's answer: {got}"
-
-    def close(self) -> None:
-        try:
-            self.sock.sendall(TERMINATE)
-        except OSError:
-            pass
-        self.sock.close()
-
-    def vanish(self) -> None:
-        """Close abruptly (RST), mid-whatever."""
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
-
-
-def kinds(messages: list[tuple[str, bytes]]) -> str:
-    return "".join(k for k, _ in messages)
 
 
 def text_rows(start: int, n: int, tag: str) -> bytes:
