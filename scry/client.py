@@ -28,7 +28,7 @@ from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import SessionTracker
 from scry.log import event
 from scry.observe.record import ClientContext
-from scry.pool import Pool, connect_error
+from scry.pool import Pool, PoolStats, connect_error
 from scry.protocol import messages as m
 from scry.protocol import startup as st
 from scry.protocol.auth import AuthStep, ClientAuthExchange
@@ -104,6 +104,7 @@ _FUNCTION_CALL_MARK = (REC_QUERY, b"<function call>")
 STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 
 _ids = itertools.count(1)
+_NO_STATS = PoolStats()  # counts nothing anyone reads: clients before they have a pool
 
 
 def parse_text(body: bytes) -> bytes:
@@ -170,6 +171,7 @@ class ClientConnection(asyncio.Protocol):
         self.application_name = ""
         self.params: dict[str, str] = {}  # settings to apply on any server that serves us
         self.pool: Pool | None = None
+        self.stats: PoolStats = _NO_STATS  # its pool's SHOW STATS counters
         self.tls = False
         self.server: ServerConnection | None = None
         self.connected_at = time.time()
@@ -413,6 +415,7 @@ class ClientConnection(asyncio.Protocol):
         self.application_name = settings.get("application_name", "")
         server_user, server_password = proxy.auth.server_credentials(target, self.user)
         self.pool = proxy.pool_for(target, server_user, server_password)
+        self.stats = self.pool.stats
         mode = self.pool.mode
         self.transaction_pooling = mode != "session"
         self.statement_pooling = mode == "statement"
@@ -528,6 +531,7 @@ class ClientConnection(asyncio.Protocol):
     # --- relay -------------------------------------------------------------------
 
     def _relay(self, data: bytes) -> None:
+        self.stats.received += len(data)
         if self._messages is not None:
             self._relay_messages(data)
             return
@@ -572,8 +576,13 @@ class ClientConnection(asyncio.Protocol):
                     texts.append((REC_EXECUTE, self._last_text))
             elif kind in _MARKED:
                 self._unsynced = True
+                if kind == _BIND:
+                    self.stats.bind_count += 1
             elif kind == _PARSE:
                 self._unsynced = True
+                stats = self.stats
+                stats.client_parse_count += 1
+                stats.server_parse_count += 1  # passed through as it is
                 if body[:1] == b"\x00":
                     self._unnamed_open = True
                     self._unnamed_rest = body[1:]
@@ -663,11 +672,14 @@ class ClientConnection(asyncio.Protocol):
 
     def _render(self, messages: list[tuple[int, bytes]], server: ServerConnection) -> bytes:
         assert self.statements is not None
+        before = server.statements.parses_sent
         try:
-            return rewrite_statements(messages, self.statements, server.statements)
+            data = rewrite_statements(messages, self.statements, server.statements)
         except ProtocolViolation as exc:
             self.fatal(exc.sqlstate, str(exc))
             return b""
+        self.stats.server_parse_count += server.statements.parses_sent - before
+        return data
 
     def _copy_ignored_syncs(self, texts: list[tuple[int, bytes]] | None) -> int:
         """PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent after the
@@ -762,6 +774,7 @@ class ClientConnection(asyncio.Protocol):
                     if texts is not None:
                         texts.append((REC_EXECUTE, self._last_text))
                 elif kind == _PARSE:
+                    self.stats.client_parse_count += 1
                     text = parse_text(body)
                     if body[:1] == b"\x00":
                         self._unnamed_open = True
@@ -773,6 +786,7 @@ class ClientConnection(asyncio.Protocol):
                     elif texts is not None:
                         self._named_texts[body[: body.index(b"\x00")]] = text
                 elif kind == _BIND:
+                    self.stats.bind_count += 1
                     if texts is not None:
                         self._last_text = self._bound_text(body)
                 elif kind == _X:
@@ -859,6 +873,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _link(self, server: ServerConnection) -> None:
         self.server = server
+        self.stats.server_assignment_count += 1
         server.link(self)
         tracker = self.tracker
         if tracker is not None and tracker.needs_replay:

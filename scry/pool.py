@@ -42,6 +42,31 @@ _LIBPQ_ONLY = frozenset(
 )  # fmt: skip
 
 
+class PoolStats:
+    """PgBouncer's per-pool traffic counters (SHOW STATS), bumped on the hot path.
+
+    Plain attributes on a slots object: one add each, read only by the views.
+    Times are in seconds (float); the console reports microseconds.
+    """
+
+    __slots__ = (
+        "server_assignment_count", "xact_count", "query_count", "received", "sent",
+        "xact_time", "query_time", "client_parse_count", "server_parse_count", "bind_count",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.server_assignment_count = 0  # servers linked to a client
+        self.xact_count = 0  # transactions ended (ReadyForQuery 'I'), autocommit included
+        self.query_count = 0  # requests answered (ReadyForQuery) for clients
+        self.received = 0  # bytes from clients
+        self.sent = 0  # bytes from servers, relayed to clients
+        self.xact_time = 0.0
+        self.query_time = 0.0
+        self.client_parse_count = 0  # Parse messages from clients
+        self.server_parse_count = 0  # Parse messages sent to servers
+        self.bind_count = 0
+
+
 class Pool:
     """Server connections to one database as one user."""
 
@@ -79,6 +104,7 @@ class Pool:
         # (setting, value as a client wrote it) -> PostgreSQL's spelling of it
         self.setting_spellings: dict[tuple[str, str], str] = {}
         # Counters for SHOW/admin views.
+        self.stats = PoolStats()
         self.total_wait_us = 0
         self.waits = 0  # clients that had to queue for a server
         self._greetings: dict[tuple[tuple[str, str], ...], bytes] = {}

@@ -142,6 +142,10 @@ class ServerConnection(asyncio.Protocol):
         self.proxy = pool.proxy
         self.busy_since = 0.0  # monotonic() when the oldest unanswered request was sent
         self.ready_at = 0.0  # monotonic() when it last answered everything
+        # SHOW STATS: where the current query and transaction began (0.0: none open).
+        self.stats = pool.stats
+        self.query_mark = 0.0
+        self.xact_mark = 0.0
         self.observe = pool.proxy.observatory.record
         self.last_tag = b""  # CommandComplete tag of the statement running now
         self.sqlstate: str | None = None  # its ErrorResponse code, if any
@@ -270,6 +274,7 @@ class ServerConnection(asyncio.Protocol):
             self._idle_data(data)
 
     def _relay(self, data: bytes) -> None:
+        self.stats.sent += len(data)
         try:
             out, events = self._scanner.feed(data)
         except ProtocolViolation as exc:
@@ -292,6 +297,20 @@ class ServerConnection(asyncio.Protocol):
                     continue
                 self.pending -= 1
                 client.answered += 1
+                # PgBouncer's query and transaction counters: a query runs from its
+                # request (or the previous answer in a pipeline) to its ReadyForQuery.
+                now = monotonic()
+                stats = self.stats
+                mark = self.query_mark if self.query_mark > self.busy_since else self.busy_since
+                stats.query_count += 1
+                stats.query_time += now - mark
+                self.query_mark = now
+                if body[0] == _TX_IDLE:
+                    stats.xact_count += 1
+                    stats.xact_time += now - (self.xact_mark or mark)
+                    self.xact_mark = 0.0
+                elif not self.xact_mark:
+                    self.xact_mark = mark
                 tracker = client.tracker
                 if tracker is not None and tracker.work:
                     tracker.settle(
@@ -304,7 +323,7 @@ class ServerConnection(asyncio.Protocol):
                     statements.on_ready()
                 release = self.pending <= 0 and body[0] == _TX_IDLE
                 if self.pending <= 0:
-                    self.ready_at = monotonic()
+                    self.ready_at = now
                     if body[0] != _TX_IDLE and client.statement_pooling:
                         client.refuse_transaction_block()
                 sqlstate = self.sqlstate

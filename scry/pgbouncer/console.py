@@ -478,7 +478,7 @@ _TOTALS_SHORT = ("server_assignment_count", "xact_count", "query_count", "bytes_
 _AVERAGES_SHORT = ("server_assignment_count", "xact_count", "query_count", "bytes_received",
                    "bytes_sent", "xact_time", "query_time", "wait_time", "avg_client_parse_count",
                    "avg_server_parse_count", "avg_bind_count")  # fmt: skip
-_QUERY_COUNT, _QUERY_TIME, _WAIT_TIME = 2, 6, 7
+_XACT_COUNT, _QUERY_COUNT, _XACT_TIME, _QUERY_TIME, _WAIT_TIME = 1, 2, 5, 6, 7
 
 
 class AdminConsole:
@@ -740,18 +740,16 @@ class AdminConsole:
     def _totals(self) -> dict[str, list[int]]:
         """Per database, the 11 counters of SHOW STATS (see the module docstring)."""
         by_db: dict[str, list[int]] = {name: [0] * 11 for name in self.proxy.targets}
-        metrics = getattr(self.proxy.observatory.metrics, "_by_database", {})
-        for name, (timing, tally) in list(metrics.items()):
-            row = by_db.setdefault(name, [0] * 11)
-            row[_QUERY_COUNT] = tally[0]
-            row[_QUERY_TIME] = timing.sum_ns // 1000
         for pool in list(self.proxy.pools.values()):
             row = by_db.setdefault(pool.target.name, [0] * 11)
-            row[_WAIT_TIME] += pool.total_wait_us
-        for row in by_db.values():
-            # The observatory times a statement from arrival to answer; PgBouncer's
-            # query_time is the server's part: take out the time spent queued.
-            row[_QUERY_TIME] = max(0, row[_QUERY_TIME] - row[_WAIT_TIME])
+            st = pool.stats
+            for index, value in enumerate((
+                st.server_assignment_count, st.xact_count, st.query_count, st.received,
+                st.sent, int(st.xact_time * 1e6), int(st.query_time * 1e6),
+                pool.total_wait_us, st.client_parse_count, st.server_parse_count,
+                st.bind_count,
+            )):  # fmt: skip
+                row[index] += value
         by_db.setdefault(ADMIN_DB, [0] * 11)
         return by_db
 
@@ -777,7 +775,8 @@ class AdminConsole:
             delta = [a - b for a, b in zip(row, old, strict=True)]
             queries = delta[_QUERY_COUNT]
             avg = [int(d / seconds) for d in delta]
-            avg[5] = 0  # xact_time: not measured
+            xacts = delta[_XACT_COUNT]
+            avg[_XACT_TIME] = delta[_XACT_TIME] // xacts if xacts else 0
             avg[_QUERY_TIME] = delta[_QUERY_TIME] // queries if queries else 0
             avg[_WAIT_TIME] = delta[_WAIT_TIME] // queries if queries else 0
             out[name] = avg
@@ -805,8 +804,10 @@ class AdminConsole:
         averages = self._averages(totals)
         total = [sum(col) for col in zip(*totals.values(), strict=True)]
         avg = [sum(col) for col in zip(*averages.values(), strict=True)]
-        rates = [a[_QUERY_COUNT] for a in averages.values()]
-        for index in (_QUERY_TIME, _WAIT_TIME):  # per-query times: weighted, not summed
+        # Per-query and per-transaction times are weighted by their rates, not summed.
+        for index, rate in ((_QUERY_TIME, _QUERY_COUNT), (_WAIT_TIME, _QUERY_COUNT),
+                            (_XACT_TIME, _XACT_COUNT)):  # fmt: skip
+            rates = [a[rate] for a in averages.values()]
             weighted = sum(a[index] * r for a, r in zip(averages.values(), rates, strict=True))
             avg[index] = weighted // sum(rates) if sum(rates) else 0
         rows = [[n, v] for n, v in zip(_TOTAL_NAMES, total, strict=True)]

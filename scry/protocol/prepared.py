@@ -76,6 +76,7 @@ class ServerStatements:
         "segments_sent",
         "segments_done",
         "unnamed_owner",
+        "parses_sent",
     )
 
     def __init__(self, capacity: int) -> None:
@@ -91,6 +92,7 @@ class ServerStatements:
         self.segments_done = 0
         # Whose unnamed statement this backend holds (a ClientStatements), if known.
         self.unnamed_owner: object | None = None
+        self.parses_sent = 0  # Parse messages rewriting sent to the backend, ever
 
     def forget_all(self) -> None:
         """DISCARD ALL / DEALLOCATE ALL ran: the backend has no statements left."""
@@ -184,6 +186,7 @@ def _rewrite(
             if not name:
                 client.unnamed = rest
                 server.unnamed_owner = client
+                server.parses_sent += 1
                 expect.append(Expected(PARSE_COMPLETE, False, segment))
                 out.append(_msg(kind, body))
                 continue
@@ -239,6 +242,7 @@ def _ensure_unnamed(
     if server.unnamed_owner is client or client.unnamed is None:
         return
     server.unnamed_owner = client
+    server.parses_sent += 1
     server.expect.append(Expected(PARSE_COMPLETE, True, segment))
     out.append(_msg(_P, b"\x00" + client.unnamed))
 
@@ -267,5 +271,6 @@ def _prepare(
         server.expect.append(Expected(CLOSE_COMPLETE, True, segment, sname))
         out.append(_msg(_C, b"S" + sname + b"\x00"))
     names[sname] = None
+    server.parses_sent += 1
     server.expect.append(Expected(PARSE_COMPLETE, drop, segment, sname))
     out.append(_msg(_P, sname + b"\x00" + rest))
