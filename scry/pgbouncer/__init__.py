@@ -5,6 +5,8 @@
   scry does not support (each reported once, by name);
 - :mod:`scry.pgbouncer.console` is the ``pgbouncer`` admin database (SHOW
   POOLS, PAUSE, RELOAD, ...) spoken over the PostgreSQL simple query protocol;
+  its docstring maps the modules it is made of (session, dispatch, views,
+  stats, commands, results, state);
 - :mod:`scry.pgbouncer.cli` is the ``scry-pgbouncer`` command, a drop-in for
   the ``pgbouncer`` binary's command line.
 

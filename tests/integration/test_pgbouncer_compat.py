@@ -13,6 +13,7 @@ PgBouncer side is skipped and scry is checked against the expected 1.25 columns.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -189,35 +190,54 @@ def _chown(path: Path) -> None:
         os.chown(path, pw.pw_uid, pw.pw_gid)
 
 
-@pytest.fixture
-def workdir() -> Iterator[Path]:
+@contextlib.contextmanager
+def bouncer_dir() -> Iterator[Path]:
+    """A directory for the ini, userlist, sockets and logs of both poolers."""
     # Not tmp_path: PgBouncer runs as postgres and must reach the files.
     directory = Path(tempfile.mkdtemp(prefix="scry-pgb-"))
     directory.chmod(0o755)
     _chown(directory)
     (directory / "userlist.txt").write_text(USERLIST)
     _chown(directory / "userlist.txt")
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running(kind: str, pg: DevCluster, directory: Path, extra: str = "") -> Iterator[Bouncer]:
+    """PgBouncer (``kind="pgbouncer"``) or scry-pgbouncer, started and stopped."""
+    if kind == "pgbouncer" and not HAVE_PGBOUNCER:
+        pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
+    bouncer = Bouncer(kind, pg, directory)
+    if extra:
+        bouncer.write_ini(extra)
+    bouncer.start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+    if kind == "scry":
+        assert "Traceback" not in bouncer.output(), bouncer.output()
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with bouncer_dir() as directory:
+        yield directory
 
 
 @pytest.fixture
 def scry_bouncer(pg: DevCluster, workdir: Path) -> Iterator[Bouncer]:
-    bouncer = Bouncer("scry", pg, workdir)
-    bouncer.start()
-    yield bouncer
-    bouncer.stop()
-    assert "Traceback" not in bouncer.output(), bouncer.output()
+    with running("scry", pg, workdir) as bouncer:
+        yield bouncer
 
 
 @pytest.fixture
 def both(pg: DevCluster, workdir: Path, scry_bouncer: Bouncer) -> Iterator[tuple[Bouncer, Bouncer]]:
-    if not HAVE_PGBOUNCER:
-        pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
-    real = Bouncer("pgbouncer", pg, workdir)
-    real.start()
-    yield real, scry_bouncer
-    real.stop()
+    with running("pgbouncer", pg, workdir) as real:
+        yield real, scry_bouncer
 
 
 def _client_script(bouncer: Bouncer) -> list[Any]:

@@ -1,0 +1,72 @@
+"""What the console keeps per proxy, and PgBouncer's ``*`` (autodb) databases.
+
+PgBouncer's commands set flags that outlive the session that ran them (PAUSE,
+DISABLE, SET ...); they live in a :class:`ConsoleState` attached to the proxy.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from scry.log import event
+
+if TYPE_CHECKING:
+    from scry.pgbouncer.session import ConsoleSession
+    from scry.proxy import Proxy
+
+
+@dataclass
+class ConsoleState:
+    """What the console keeps for one proxy: flags PgBouncer's commands set."""
+
+    sessions: set[ConsoleSession] = field(default_factory=set)
+    disabled: set[str] = field(default_factory=set)
+    paused: set[str] = field(default_factory=set)  # PAUSE db / KILL db
+    paused_all: bool = False
+    suspended: bool = False
+    shutting_down: bool = False
+    #: [pgbouncer] settings changed with SET, applied on top of the file.
+    overrides: dict[str, str] = field(default_factory=dict)
+    #: Re-read the pgbouncer.ini and apply it (set by scry-pgbouncer / scry serve).
+    reload: Callable[[], None] | None = None
+    #: (time.monotonic(), {database: totals}) for SHOW STATS averages.
+    snapshots: deque[tuple[float, dict[str, list[int]]]] = field(default_factory=deque)
+    warned: set[str] = field(default_factory=set)
+    #: The Unix socket file this process created (removed at exit).
+    unix_path: str | None = None
+
+
+_states: weakref.WeakKeyDictionary[Proxy, ConsoleState] = weakref.WeakKeyDictionary()
+
+
+def state_for(proxy: Proxy) -> ConsoleState:
+    """The console state of ``proxy`` (created on first use)."""
+    state = _states.get(proxy)
+    if state is None:
+        state = _states[proxy] = ConsoleState()
+    return state
+
+
+def autodb_target(proxy: Proxy, database: str) -> Any:
+    """A target for ``database`` made from the ``*`` entry (PgBouncer's autodb)."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    compat = proxy.config.pgbouncer
+    assert compat is not None and compat.autodb is not None
+    url = compat.autodb.database_url
+    parts = urlsplit(url)
+    if parts.path in ("", "/"):
+        url = urlunsplit(parts._replace(path="/" + quote(database, safe="")))
+    db = compat.autodb.model_copy(update={"database_url": url})
+    try:
+        target = proxy.config.model_copy(update={"databases": {database: db}}).targets()[database]
+    except Exception as exc:  # a bad name cannot make a good URL
+        event("autodb failed", logging.WARNING, database=database, error=str(exc))
+        return None
+    proxy.targets[database] = target
+    return target

@@ -1,0 +1,101 @@
+"""The console of scry-pgbouncer alone: every SHOW answers, every command works.
+
+Differential checks against PgBouncer are in test_pgbouncer_compat.py; this
+module covers the views and commands those do not reach, so that a change in
+the console's modules cannot break one unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from test_pgbouncer_compat import Bouncer, bouncer_dir, running
+
+from scry.devcluster import DevCluster
+
+# Every view, with its expected columns (PgBouncer 1.25's, or scry's own).
+VIEW_COLUMNS = {
+    "SHOW ACTIVE_SOCKETS": 28,
+    "SHOW PEERS": 4,
+    "SHOW PEER_POOLS": 5,
+    "SHOW MEM": 5,
+    "SHOW DNS_HOSTS": 3,
+    "SHOW DNS_ZONES": 3,
+    "SHOW STATE": 2,
+    "SHOW PINS": 7,
+    "SHOW BREAKER": 4,
+    "SHOW FINGERPRINTS": 7,
+    "SHOW SOCKETS": 28,
+    "SHOW STATS_AVERAGES": 12,
+    "SHOW client_encoding": 1,
+}
+
+
+@pytest.fixture
+def scry_bouncer(pg: DevCluster) -> Iterator[Bouncer]:
+    with bouncer_dir() as directory, running("scry", pg, directory) as bouncer:
+        yield bouncer
+
+
+def test_every_view_answers(scry_bouncer: Bouncer) -> None:
+    b = scry_bouncer
+    with b.connect() as conn:
+        conn.execute("select 1")
+        for sql, width in VIEW_COLUMNS.items():
+            answer = b.admin(sql)
+            assert answer[0] != "error", (sql, answer)
+            assert len(answer[0]) == width, (sql, answer[0])
+        breaker = {r[0]: r[1] for r in b.admin("SHOW BREAKER")[1]}
+        assert breaker["app"] == "closed"
+    assert b.admin("SHOW FDS")[0] == "error"
+    assert b.admin("SHOW FDS", "stats", "stats_pass")[1:] == ("08P01", "admin access needed")
+    with psycopg.connect(
+        host="127.0.0.1", port=b.port, user="admin", password="admin_pass", dbname="pgbouncer",
+        autocommit=True,
+    ) as conn:  # fmt: skip
+        conn.prepare_threshold = None
+        notices: list[str] = []
+        conn.add_notice_handler(lambda d: notices.append(d.message_detail or ""))
+        conn.execute("SHOW HELP", prepare=False)
+        assert "KILL_CLIENT" in notices[0] and "SHOW PINS" in notices[0]
+        assert conn.execute("SET client_encoding = 'UTF8'", prepare=False).statusmessage == "SET"
+
+
+def test_suspend_resume(scry_bouncer: Bouncer) -> None:
+    b = scry_bouncer
+    with b.connect() as conn:
+        conn.execute("select 1")
+        assert b.admin("SUSPEND")[2] == "SUSPEND"
+        assert dict(b.admin("SHOW STATE")[1])["suspended"] == "yes"
+        assert b.admin("SUSPEND")[1:] == ("08P01", "already suspended/paused")
+        assert b.admin("RESUME")[2] == "RESUME"
+        assert conn.execute("select 2").fetchone() == (2,)
+
+
+def test_kill_database_then_resume(scry_bouncer: Bouncer) -> None:
+    b = scry_bouncer
+    conn = b.connect()
+    conn.execute("select 1")
+    assert b.admin("KILL nosuch")[1:] == ("08P01", "no such database: nosuch")
+    assert b.admin("KILL app")[2] == "KILL"
+    with pytest.raises(psycopg.OperationalError):
+        conn.execute("select 1")
+    conn.close()
+    states = {r[0]: r[-2] for r in b.admin("SHOW DATABASES")[1]}
+    assert states["app"] == 1
+    assert b.admin("RESUME app")[2] == "RESUME"
+    with b.connect() as again:
+        assert again.execute("select 3").fetchone() == (3,)
+
+
+def test_shutdown_wait_for_clients(scry_bouncer: Bouncer) -> None:
+    b = scry_bouncer
+    conn = b.connect()
+    conn.execute("select 1")
+    assert b.admin("SHUTDOWN WAIT_FOR_CLIENTS")[2] == "SHUTDOWN"
+    assert conn.execute("select 4").fetchone() == (4,)  # existing clients go on
+    assert b.proc is not None and b.proc.poll() is None
+    conn.close()
+    assert b.proc.wait(10) == 0
