@@ -3,9 +3,11 @@
 Drives one client and one server connection through N simple-query
 transactions (the shape of pgbench -S: Query in; RowDescription, DataRow,
 CommandComplete, ReadyForQuery out) with fake transports, and prints the
-user-space microseconds per transaction. Use it with a profiler:
+user-space microseconds per transaction. ``--contended`` runs 50 clients on
+20 servers (pgbench -c 50 against pool 20): every transaction then queues
+for a server and takes it over from the previous client. Use it with a profiler:
 
-    .venv/bin/python benchmarks/hotpath.py
+    .venv/bin/python benchmarks/hotpath.py [--no-observe] [--contended]
     .venv/bin/python -m cProfile -s tottime benchmarks/hotpath.py | head -40
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections import deque
 
 from scry.client import READY, ClientConnection
 from scry.config import Config
+from scry.hybrid import SessionTracker
 from scry.protocol import messages as m
 from scry.proxy import Proxy
 from scry.server import IDLE, ServerConnection
@@ -43,7 +47,7 @@ class FakeTransport(asyncio.Transport):
         return ("127.0.0.1", 5432)
 
 
-async def main(n: int) -> None:
+def _setup(n_servers: int) -> tuple[Proxy, object, list[ServerConnection]]:
     config = Config.model_validate(
         {"database_url": "postgres://app:pw@127.0.0.1:5432/app", "pool": {"mode": "transaction"}}
     )
@@ -51,36 +55,82 @@ async def main(n: int) -> None:
     target = proxy.targets["app"]
     pool = proxy.pool_for(target, "app", "pw")
     pool.welcome = {}
-    server = ServerConnection(pool)
-    server.transport = FakeTransport()
-    server.state = IDLE
-    pool.servers.add(server)
-    pool.idle.append(server)
+    servers = []
+    for _ in range(n_servers):
+        server = ServerConnection(pool)
+        server.transport = FakeTransport()
+        server.state = IDLE
+        pool.servers.add(server)
+        pool.idle.append(server)
+        servers.append(server)
+    return proxy, pool, servers
+
+
+def _client(proxy: Proxy, pool: object) -> ClientConnection:
     client = ClientConnection(proxy)
     client.transport = FakeTransport()
     client.state = READY
-    client.pool = pool
+    client.pool = pool  # type: ignore[assignment]
+    client.stats = pool.stats  # type: ignore[attr-defined]
+    client.tracker = SessionTracker(client.id, pinning=False)  # as in transaction mode
     client.observed = "--no-observe" not in sys.argv
-    query = m.query("SELECT abalance FROM pgbench_accounts WHERE aid = 4242;")
-    response = (
-        m.row_description([("abalance", 23)])
-        + m.data_row(["0"])
-        + m.command_complete("SELECT 1")
-        + m.ready_for_query()
-    )
+    return client
+
+
+QUERY = m.query("SELECT abalance FROM pgbench_accounts WHERE aid = 4242;")
+RESPONSE = (
+    m.row_description([("abalance", 23)])
+    + m.data_row(["0"])
+    + m.command_complete("SELECT 1")
+    + m.ready_for_query()
+)
+
+
+async def main(n: int) -> None:
+    proxy, pool, (server,) = _setup(1)
+    client = _client(proxy, pool)
     for _ in range(1000):
-        client.data_received(query)
-        server.data_received(response)
+        client.data_received(QUERY)
+        server.data_received(RESPONSE)
     start = time.process_time()  # CPU time: steady even on a busy machine
     for _ in range(n):
-        client.data_received(query)
-        server.data_received(response)
+        client.data_received(QUERY)
+        server.data_received(RESPONSE)
     elapsed = time.process_time() - start
-    assert server in pool.idle or client in pool.parked
+    assert server in pool.idle or client in pool.parked  # type: ignore[attr-defined]
     print(f"{elapsed / n * 1e6:.2f} us per transaction ({n} transactions)")
+    proxy.stop_now()
+
+
+async def main_contended(n: int, n_clients: int = 50, n_servers: int = 20) -> None:
+    proxy, pool, servers = _setup(n_servers)
+    clients = [_client(proxy, pool) for _ in range(n_clients)]
+    for client in clients:
+        client.data_received(QUERY)  # 20 get a server, 30 queue
+
+    def run(count: int) -> None:
+        busy = deque(s for s in servers if s.client is not None)
+        for _ in range(count):
+            server = busy.popleft()
+            client = server.client
+            server.data_received(RESPONSE)  # answered; the server goes to the oldest waiter
+            if server.client is not None:
+                busy.append(server)
+            client.data_received(QUERY)  # its next transaction queues (or gets a server)
+            if client.server is not None and client.server not in busy:
+                busy.append(client.server)
+
+    run(2000)
+    start = time.process_time()
+    run(n)
+    elapsed = time.process_time() - start
+    assert len(pool.waiters) == n_clients - n_servers  # type: ignore[attr-defined]
+    print(f"{elapsed / n * 1e6:.2f} us per transaction, contended "
+          f"({n_clients} clients, {n_servers} servers, {n} transactions)")  # fmt: skip
     proxy.stop_now()
 
 
 if __name__ == "__main__":
     counts = [a for a in sys.argv[1:] if a.isdigit()]
-    asyncio.run(main(int(counts[0]) if counts else 200_000))
+    count = int(counts[0]) if counts else 200_000
+    asyncio.run(main_contended(count) if "--contended" in sys.argv else main(count))

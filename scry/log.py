@@ -56,6 +56,11 @@ def setup_logging(
     logger.propagate = False
 
 
+def logging_info() -> bool:
+    """Whether INFO events are logged: check before computing costly fields (a syscall)."""
+    return logger.isEnabledFor(logging.INFO)
+
+
 def event(msg: str, level: int = logging.INFO, **fields: object) -> None:
     """Log one event with structured fields."""
     if logger.isEnabledFor(level):

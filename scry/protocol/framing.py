@@ -20,6 +20,7 @@ Both reject a length below 4 or above ``max_message_size`` with
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable
 
@@ -92,6 +93,20 @@ ScanEvent = tuple[int, int, bytes]
 _NO_EVENTS: list[ScanEvent] = []  # shared and never mutated: callers only iterate
 
 
+@functools.cache
+def _want_table_cached(
+    want: tuple[bytes | int, ...], mark: tuple[bytes | int, ...]
+) -> dict[int, bool]:
+    table = {w[0] if isinstance(w, bytes) else w: False for w in mark}
+    table.update((w[0] if isinstance(w, bytes) else w, True) for w in want)
+    return table
+
+
+def _want_table(want: Iterable[bytes | int], mark: Iterable[bytes | int]) -> dict[int, bool]:
+    """The scanner's lookup table; built once per (want, mark) and shared (never mutated)."""
+    return _want_table_cached(tuple(want), tuple(mark))
+
+
 class MessageScanner:
     """Finds the messages of interest in a stream without copying the rest."""
 
@@ -114,8 +129,7 @@ class MessageScanner:
         mark: Iterable[bytes | int] = (),
     ) -> None:
         # message type -> copy its body? (``mark`` types are reported with b"").
-        self._want: dict[int, bool] = {w[0] if isinstance(w, bytes) else w: False for w in mark}
-        self._want.update((w[0] if isinstance(w, bytes) else w, True) for w in want)
+        self._want = _want_table(want, mark)
         self._max = max_message_size
         self._max_collect = max_collect
         self._held = b""  # an incomplete header from the previous chunk
