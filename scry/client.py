@@ -576,13 +576,8 @@ class ClientConnection(asyncio.Protocol):
                     texts.append((REC_EXECUTE, self._last_text))
             elif kind in _MARKED:
                 self._unsynced = True
-                if kind == _BIND:
-                    self.stats.bind_count += 1
             elif kind == _PARSE:
                 self._unsynced = True
-                stats = self.stats
-                stats.client_parse_count += 1
-                stats.server_parse_count += 1  # passed through as it is
                 if body[:1] == b"\x00":
                     self._unnamed_open = True
                     self._unnamed_rest = body[1:]
@@ -605,6 +600,7 @@ class ClientConnection(asyncio.Protocol):
             elif kind == _X:
                 out = out[: end - 5]
                 terminate = True
+                self.stats.received -= 5  # PgBouncer does not count the Terminate
                 break
             else:  # CopyDone / CopyFail
                 owed -= self._copy_ignored_syncs(texts)
@@ -774,7 +770,6 @@ class ClientConnection(asyncio.Protocol):
                     if texts is not None:
                         texts.append((REC_EXECUTE, self._last_text))
                 elif kind == _PARSE:
-                    self.stats.client_parse_count += 1
                     text = parse_text(body)
                     if body[:1] == b"\x00":
                         self._unnamed_open = True
@@ -783,15 +778,19 @@ class ClientConnection(asyncio.Protocol):
                             # Named statements run their text at each Execute; protocol-level
                             # prepares are tracked by scry itself and never pin.
                             tracker.on_parse(text)
-                    elif texts is not None:
-                        self._named_texts[body[: body.index(b"\x00")]] = text
+                    else:  # SHOW STATS counts named statements only, as PgBouncer
+                        self.stats.client_parse_count += 1
+                        if texts is not None:
+                            self._named_texts[body[: body.index(b"\x00")]] = text
                 elif kind == _BIND:
-                    self.stats.bind_count += 1
+                    if body[body.index(b"\x00") + 1] != 0:  # a named statement
+                        self.stats.bind_count += 1
                     if texts is not None:
                         self._last_text = self._bound_text(body)
                 elif kind == _X:
                     del messages[index:]
                     terminate = True
+                    self.stats.received -= 5  # PgBouncer does not count the Terminate
                     break
                 elif kind in (_COPY_DONE, _COPY_FAIL):
                     owed -= self._copy_ignored_syncs(texts)

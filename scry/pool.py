@@ -55,16 +55,18 @@ class PoolStats:
     )  # fmt: skip
 
     def __init__(self) -> None:
+        # As PgBouncer counts (tests/integration/test_pgbouncer_stats.py compares):
         self.server_assignment_count = 0  # servers linked to a client
-        self.xact_count = 0  # transactions ended (ReadyForQuery 'I'), autocommit included
-        self.query_count = 0  # requests answered (ReadyForQuery) for clients
-        self.received = 0  # bytes from clients
-        self.sent = 0  # bytes from servers, relayed to clients
+        self.query_count = 0  # requests answered in full (a pipeline counts once)
+        self.xact_count = 0  # such answers ending idle (autocommit statements included)
+        self.received = 0  # bytes from clients, their Terminate excepted
+        self.sent = 0  # bytes from servers while linked to a client
         self.xact_time = 0.0
         self.query_time = 0.0
-        self.client_parse_count = 0  # Parse messages from clients
-        self.server_parse_count = 0  # Parse messages sent to servers
-        self.bind_count = 0
+        # Named prepared statements only (transaction pooling), as PgBouncer 1.21+:
+        self.client_parse_count = 0  # Parse from clients
+        self.server_parse_count = 0  # Parse sent to servers (again on a new server)
+        self.bind_count = 0  # Bind of a named statement
 
 
 class Pool:

@@ -142,9 +142,8 @@ class ServerConnection(asyncio.Protocol):
         self.proxy = pool.proxy
         self.busy_since = 0.0  # monotonic() when the oldest unanswered request was sent
         self.ready_at = 0.0  # monotonic() when it last answered everything
-        # SHOW STATS: where the current query and transaction began (0.0: none open).
+        # SHOW STATS: where the current transaction began (0.0: none open).
         self.stats = pool.stats
-        self.query_mark = 0.0
         self.xact_mark = 0.0
         self.observe = pool.proxy.observatory.record
         self.last_tag = b""  # CommandComplete tag of the statement running now
@@ -297,20 +296,20 @@ class ServerConnection(asyncio.Protocol):
                     continue
                 self.pending -= 1
                 client.answered += 1
-                # PgBouncer's query and transaction counters: a query runs from its
-                # request (or the previous answer in a pipeline) to its ReadyForQuery.
                 now = monotonic()
-                stats = self.stats
-                mark = self.query_mark if self.query_mark > self.busy_since else self.busy_since
-                stats.query_count += 1
-                stats.query_time += now - mark
-                self.query_mark = now
-                if body[0] == _TX_IDLE:
-                    stats.xact_count += 1
-                    stats.xact_time += now - (self.xact_mark or mark)
-                    self.xact_mark = 0.0
-                elif not self.xact_mark:
-                    self.xact_mark = mark
+                if self.pending <= 0:
+                    # PgBouncer's counters: a query is a request up to the ReadyForQuery
+                    # that answers all it sent (a pipeline counts once); a transaction
+                    # ends at such a ReadyForQuery that says idle.
+                    stats = self.stats
+                    stats.query_count += 1
+                    stats.query_time += now - self.busy_since
+                    if body[0] == _TX_IDLE:
+                        stats.xact_count += 1
+                        stats.xact_time += now - (self.xact_mark or self.busy_since)
+                        self.xact_mark = 0.0
+                    elif not self.xact_mark:
+                        self.xact_mark = self.busy_since
                 tracker = client.tracker
                 if tracker is not None and tracker.work:
                     tracker.settle(

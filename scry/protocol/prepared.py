@@ -92,7 +92,7 @@ class ServerStatements:
         self.segments_done = 0
         # Whose unnamed statement this backend holds (a ClientStatements), if known.
         self.unnamed_owner: object | None = None
-        self.parses_sent = 0  # Parse messages rewriting sent to the backend, ever
+        self.parses_sent = 0  # named statements rewriting prepared on the backend, ever
 
     def forget_all(self) -> None:
         """DISCARD ALL / DEALLOCATE ALL ran: the backend has no statements left."""
@@ -186,7 +186,6 @@ def _rewrite(
             if not name:
                 client.unnamed = rest
                 server.unnamed_owner = client
-                server.parses_sent += 1
                 expect.append(Expected(PARSE_COMPLETE, False, segment))
                 out.append(_msg(kind, body))
                 continue
@@ -242,7 +241,6 @@ def _ensure_unnamed(
     if server.unnamed_owner is client or client.unnamed is None:
         return
     server.unnamed_owner = client
-    server.parses_sent += 1
     server.expect.append(Expected(PARSE_COMPLETE, True, segment))
     out.append(_msg(_P, b"\x00" + client.unnamed))
 
