@@ -81,10 +81,13 @@ def show_pools(console: AdminConsole) -> bytes:
         waiting = sum(1 for c in mine if c.waiting_since)
         counts = _server_counts(console, pool)
         wait_us = int(pool.oldest_wait() * 1e6)
+        # Cancels go to PostgreSQL at once (never queued) on their own connection.
+        cancels = sum(s.cancels_pending for s in list(pool.servers))
         rows.append([
-            pool.target.name, pool.server_user, len(mine) - waiting, waiting, 0, 0,
-            counts["active"], 0, 0, counts["idle"], counts["used"], counts["tested"],
-            counts["new"], wait_us // 1_000_000, wait_us % 1_000_000, pool.mode, None,
+            pool.target.name, pool.server_user, len(mine) - waiting, waiting, cancels, 0,
+            counts["active"], cancels, counts["being_canceled"], counts["idle"], counts["used"],
+            counts["tested"], counts["new"], wait_us // 1_000_000, wait_us % 1_000_000,
+            pool.mode, None,
         ])  # fmt: skip
     sessions = len(console.state.sessions)
     rows.append([ADMIN_DB, ADMIN_DB, sessions, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
@@ -104,15 +107,20 @@ def show_servers(console: AdminConsole) -> bytes:
 
 
 def show_sockets(console: AdminConsole) -> bytes:
+    return result(_SOCKET_COLUMNS + _SOCKET_DEBUG, _socket_rows(console), "SHOW")
+
+
+def _socket_rows(console: AdminConsole) -> list[list[Any]]:
     rows = [_client_row(console, c, debug=True) for c in _sorted_clients(console)]
     rows.extend(_server_row(console, s, debug=True) for s in _sorted_servers(console))
     rows.extend(_session_row(console, s, debug=True) for s in _sorted_sessions(console))
-    return result(_SOCKET_COLUMNS + _SOCKET_DEBUG, rows, "SHOW")
+    return rows
 
 
 def show_active_sockets(console: AdminConsole) -> bytes:
-    # scry keeps no per-socket buffers: no socket has unsent or unparsed data.
-    return result(_SOCKET_COLUMNS + _SOCKET_DEBUG, [], "SHOW")
+    """The sockets with data waiting to be sent (scry keeps no unparsed input)."""
+    rows = [r for r in _socket_rows(console) if r[-1]]
+    return result(_SOCKET_COLUMNS + _SOCKET_DEBUG, rows, "SHOW")
 
 
 def show_databases(console: AdminConsole) -> bytes:
@@ -274,9 +282,11 @@ def _clients_by_pool(console: AdminConsole) -> dict[int, list[ClientConnection]]
 
 
 def _server_counts(console: AdminConsole, pool: Pool) -> dict[str, int]:
-    counts = {"active": 0, "idle": 0, "used": 0, "tested": 0, "new": pool.connecting}
+    counts = dict.fromkeys(("active", "idle", "used", "tested", "being_canceled"), 0)
+    counts["new"] = pool.connecting
     for server in list(pool.servers):
-        counts[_server_state(console, server)] = counts.get(_server_state(console, server), 0) + 1
+        state = _server_state(console, server)
+        counts[state] = counts.get(state, 0) + 1
     return counts
 
 
@@ -286,6 +296,8 @@ def _server_state(console: AdminConsole, server: ServerConnection) -> str:
         return "tested"
     if state in ("connecting", "login"):
         return "new"
+    if server.release_after_cancel:
+        return "being_canceled"  # released, held back until PostgreSQL did the cancel
     client = server.client
     if client is not None and not client.parked:
         return "active"
@@ -334,7 +346,7 @@ def _client_row(console: AdminConsole, client: ClientConnection, debug: bool) ->
         "TLS" if client.tls else "", client.application_name,
         len(statements.by_name) if statements is not None else 0, num_id(client.id),
     ]  # fmt: skip
-    return row + [0] * 7 if debug else row
+    return row + _buffers(client.transport) if debug else row
 
 
 def _server_row(console: AdminConsole, server: ServerConnection, debug: bool) -> list[Any]:
@@ -358,7 +370,7 @@ def _server_row(console: AdminConsole, server: ServerConnection, debug: bool) ->
         client.application_name if linked and client is not None else "",
         len(server.statements.names), num_id(server.id),
     ]  # fmt: skip
-    return row + [0] * 7 if debug else row
+    return row + _buffers(server.transport) if debug else row
 
 
 def _session_row(console: AdminConsole, session: ConsoleSession, debug: bool) -> list[Any]:
@@ -366,12 +378,24 @@ def _session_row(console: AdminConsole, session: ConsoleSession, debug: bool) ->
     addr, port = (peer[0], peer[1]) if isinstance(peer, tuple) else ("unix", 0)
     local = session.transport.get_extra_info("sockname")
     local_addr, local_port = (local[0], local[1]) if isinstance(local, tuple) else ("unix", 0)
+    pid_uid = peer_uid(session.transport) if addr == "unix" else None
     row = [
         "C", session.user, ADMIN_DB, "none", "cl_active" if debug else "active", addr, port,
         local_addr, local_port, stamp(session.connected_at), stamp(session.request_at),
-        0, 0, 0, f"a{session.id}", "", 0, "TLS" if session.tls else "", "", 0, session.id,
+        0, 0, 0, f"a{session.id}", "", pid_uid[0] if pid_uid else 0,
+        "TLS" if session.tls else "", "", 0, session.id,
     ]  # fmt: skip
-    return row + [0] * 7 if debug else row
+    return row + _buffers(session.transport) if debug else row
+
+
+def _buffers(transport: Any) -> list[int]:
+    """SHOW SOCKETS' buffer columns: only ``send_avail`` (bytes not yet written) is
+    kept by scry (asyncio's write buffer); it reads whole messages as they come."""
+    try:
+        pending = transport.get_write_buffer_size() if transport is not None else 0
+    except Exception:  # a transport being closed
+        pending = 0
+    return [0, 0, 0, 0, 0, 0, pending]
 
 
 # --- scry's own views --------------------------------------------------------------
