@@ -15,8 +15,11 @@ a hot value shows as ``pgbench_accounts.aid = #k7q2b6…``.
 
 from __future__ import annotations
 
+import base64
+import operator
 import struct
 import time
+from array import array
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -78,6 +81,42 @@ class CountMinSketch:
         """Decay: halve every counter."""
         self._counts[:] = [v >> 1 for v in self._counts]
         self.total >>= 1
+
+    # --- merging across workers (scry.adminapi.fleet) ---------------------------
+
+    def export(self) -> dict[str, Any]:
+        """The counters in mergeable, JSON-able form (int64 in native byte
+        order, base64: the workers of an instance share a host)."""
+        return {
+            "width": self.width,
+            "depth": self.depth,
+            "total": self.total,
+            "counts": base64.b64encode(array("q", self._counts).tobytes()).decode("ascii"),
+        }
+
+    @classmethod
+    def merged(cls, exports: list[dict[str, Any]]) -> CountMinSketch:
+        """A sketch whose counters are the cell-wise sums of exported sketches.
+        Count-Min sketches of equal shape (and hashing) merge exactly so: the
+        result is the sketch of all their keys. ValueError if shapes differ."""
+        if not exports:
+            return cls()
+        sketch = cls(int(exports[0]["width"]), int(exports[0]["depth"]))
+        counts = sketch._counts
+        for exported in exports:
+            if (exported["width"], exported["depth"]) != (sketch.width, sketch.depth):
+                raise ValueError("count-min sketches of different shapes do not merge")
+            cells = array("q")
+            cells.frombytes(base64.b64decode(exported["counts"]))
+            counts[:] = map(operator.add, counts, cells)
+            sketch.total += int(exported["total"])
+        return sketch
+
+    def estimate_digest(self, digest: bytes) -> int:
+        """The estimated count of a key from its digest (at least 4 * depth bytes)."""
+        w = self.width
+        values = struct.unpack_from(f"<{self.depth}I", digest)
+        return min(self._counts[v % w + o] for v, o in zip(values, self._offsets))  # noqa: B905
 
 
 class TopK:
@@ -267,3 +306,45 @@ class HotData:
                 for (column, token), count in self.top_values.items(limit)
             ],
         }
+
+    def export(self) -> dict[str, Any]:
+        """Both sketches and the keys of both top-k tables, for ``merge_hot``."""
+        return {
+            "tables": self.tables.export(),
+            "values": self.values.export(),
+            "top_tables": list(self.top_tables.labels),
+            "top_values": [
+                [digest.hex(), column, token]
+                for digest, (column, token) in self.top_values.labels.items()
+            ],
+        }
+
+
+def table_digest(table: str, length: int) -> bytes:
+    """The sketch digest of a table name (``HotData.add_table`` hashes so)."""
+    return blake3.blake3(table.encode("utf-8", "surrogatepass")).digest(length)
+
+
+def merge_hot(exports: list[dict[str, Any]], limit: int) -> dict[str, list[dict[str, Any]]]:
+    """``HotData.hot`` of several workers: their sketches added cell-wise, and
+    the union of their top-k keys re-ranked by the merged estimates."""
+    tables = CountMinSketch.merged([e["tables"] for e in exports])
+    values = CountMinSketch.merged([e["values"] for e in exports])
+    length = 4 * tables.depth
+    names = {name for e in exports for name in e["top_tables"]}
+    hot_tables = sorted(
+        ((tables.estimate_digest(table_digest(n, length)), n) for n in names),
+        key=lambda item: (-item[0], item[1]),
+    )
+    labels = {digest: (column, token) for e in exports for digest, column, token in e["top_values"]}
+    hot_values = sorted(
+        ((values.estimate_digest(bytes.fromhex(d)), label) for d, label in labels.items()),
+        key=lambda item: (-item[0], item[1]),
+    )
+    return {
+        "tables": [{"table": name, "count": count} for count, name in hot_tables[:limit]],
+        "values": [
+            {"column": column, "value": token, "count": count}
+            for count, (column, token) in hot_values[:limit]
+        ],
+    }

@@ -18,7 +18,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from operator import itemgetter
 from typing import Any
 
 from scry.observe.histogram import _DIRECT, SUB_BITS, merge_into, percentiles
@@ -280,22 +281,18 @@ class StatsTable:
         grand_total = sum(v[_TOTAL] for _, v in views)
         if window_seconds is None:
             grand_total += self._evicted_totals.total_us
-        key: Callable[[tuple[QueryStats, list[Any]]], float]
-        if by == "total_time":
-            key = lambda ev: ev[1][_TOTAL]  # noqa: E731
-        elif by == "mean":
-            key = lambda ev: ev[1][_TOTAL] / ev[1][_CALLS]  # noqa: E731
-        elif by == "calls":
-            key = lambda ev: ev[1][_CALLS]  # noqa: E731
-        elif by == "errors":
-            key = lambda ev: ev[1][_ERRORS]  # noqa: E731
-        else:
-            key = lambda ev: percentiles(ev[1][_HIST], (0.99,))[0]  # noqa: E731
-        chosen = heapq.nlargest(limit, views, key=key)
+        slot_key = _slot_key(by)
+        chosen = heapq.nlargest(limit, views, key=lambda ev: slot_key(ev[1]))
         return [_row(e, v, grand_total) for e, v in chosen]
 
     def summary(self, window_seconds: float = 60, now: float | None = None) -> dict[str, Any]:
         """Totals over everything and over the last window (qps, p99)."""
+        total, window, seconds = self._summary_slots(window_seconds, now)
+        return _summary_of(total, window, seconds, len(self._entries), self.evicted)
+
+    def _summary_slots(
+        self, window_seconds: float, now: float | None
+    ) -> tuple[list[Any], list[Any], int]:
         total = _new_slot(0)
         for e in self._entries.values():
             _add_slot(total, e.as_slot())
@@ -306,24 +303,195 @@ class StatsTable:
             for slot in e.slots:
                 if first <= slot[_EPOCH] <= last:
                     _add_slot(window, slot)
-        seconds = (last - first + 1) * self.slot_seconds
-        p50, p99 = percentiles(total[_HIST], (0.5, 0.99))
-        (wp99,) = percentiles(window[_HIST], (0.99,))
+        return total, window, (last - first + 1) * self.slot_seconds
+
+    # ------------------------------------------------------------------ #
+    # Exports that merge across workers (scry.adminapi.fleet)
+    # ------------------------------------------------------------------ #
+
+    def export_summary(
+        self, window_seconds: float = 60, now: float | None = None
+    ) -> dict[str, Any]:
+        """``summary`` in mergeable form (JSON-able): the summed slots with their
+        histograms, and the fingerprint ids (so a merge counts distinct ones).
+        ``merge_summaries`` of one export equals ``summary``."""
+        total, window, seconds = self._summary_slots(window_seconds, now)
         return {
-            "queries": total[_CALLS],
-            "errors": total[_ERRORS],
-            "rows": total[_ROWS],
-            "total_ms": total[_TOTAL] / 1000,
-            "p50_ms": p50 / 1000,
-            "p99_ms": p99 / 1000,
+            "total": _export_slot(total),
+            "window": _export_slot(window),
             "window_seconds": seconds,
-            "window_queries": window[_CALLS],
-            "window_errors": window[_ERRORS],
-            "qps": window[_CALLS] / seconds,
-            "window_p99_ms": wp99 / 1000,
-            "fingerprints": len(self._entries),
+            "fingerprints": ",".join(self._entries),
             "evicted_fingerprints": self.evicted,
         }
+
+    def export_rows(
+        self,
+        window_seconds: float | None = None,
+        now: float | None = None,
+        *,
+        fingerprints: Iterable[str] | None = None,
+        details: bool = False,
+        hist: bool = False,
+    ) -> Iterator[list[Any]]:
+        """Mergeable totals per fingerprint, cumulative or over a window, as
+        ``EXPORT_ROW`` lists (JSON-able). ``details`` adds the normalized text,
+        ``hist`` the histogram (both heavy; a merge asks for them only for the
+        fingerprints it shows). Reads a snapshot of the table, so the caller may
+        yield to the event loop between rows."""
+        entries = self._entries
+        if fingerprints is None:
+            chosen = list(entries.values())
+        else:
+            chosen = [e for fp in fingerprints if (e := entries.get(fp)) is not None]
+        first = last = 0
+        if window_seconds is not None:
+            first, last = self._epochs(window_seconds, now)
+        for e in chosen:
+            v = e.as_slot() if window_seconds is None else self._window_view(e, first, last)
+            if v is None:
+                continue
+            yield [
+                e.fingerprint, e.query if details else None, e.first_seen, e.last_seen,
+                *v[_CALLS:_HIST], _flat(v[_HIST]) if hist or details else None,
+            ]  # fmt: skip
+
+    def evicted_total_us(self) -> int:
+        """Time of the evicted fingerprints (part of the cumulative grand total)."""
+        return self._evicted_totals.total_us
+
+
+#: Fields of an exported row (``StatsTable.export_rows``).
+EXPORT_ROW = (
+    "fingerprint", "query", "first_seen", "last_seen", "calls", "errors", "rows",
+    "total_us", "queue_us", "backend_us", "min_us", "max_us", "hist",
+)  # fmt: skip
+
+
+def merge_rows(parts: Iterable[Iterable[list[Any]]]) -> dict[str, list[Any]]:
+    """Exported rows of several tables summed per fingerprint: fingerprint ->
+    one row (``EXPORT_ROW`` layout, the histogram as a dict; a missing one
+    counts as empty). Runs once per exported row, so it is written out."""
+    merged: dict[str, list[Any]] = {}
+    for rows in parts:
+        for row in rows:
+            m = merged.get(row[0])
+            if m is None:
+                m = merged[row[0]] = list(row)
+                m[12] = _unflat(row[12])
+                continue
+            if row[1] and not m[1]:
+                m[1] = row[1]
+            if row[2] < m[2]:
+                m[2] = row[2]
+            if row[3] > m[3]:
+                m[3] = row[3]
+            m[4] += row[4]
+            m[5] += row[5]
+            m[6] += row[6]
+            m[7] += row[7]
+            m[8] += row[8]
+            m[9] += row[9]
+            if row[10] < m[10]:
+                m[10] = row[10]
+            if row[11] > m[11]:
+                m[11] = row[11]
+            flat = row[12]
+            if flat:
+                hist = m[12]
+                for i in range(0, len(flat), 2):
+                    hist[flat[i]] = hist.get(flat[i], 0) + flat[i + 1]
+    return merged
+
+
+#: Where a merged row keeps what a slot keeps: slot index + 3 (its epoch is last_seen).
+_ROW_SLOT = 3
+
+
+def rank_merged(
+    merged: dict[str, list[Any]], by: str, limit: int, grand_total: int
+) -> list[dict[str, Any]]:
+    """``top`` over merged rows (``grand_total``: µs, the denominator of ``share``)."""
+    if by not in RANKINGS:
+        raise ValueError(f"by must be one of {', '.join(RANKINGS)}, not {by!r}")
+    chosen = heapq.nlargest(limit, merged.values(), key=_slot_key(by, _ROW_SLOT))
+    out = []
+    for m in chosen:
+        e = QueryStats(m[0], m[1] or "", m[2], 0)
+        e.last_seen = m[3]
+        out.append(_row(e, m[_ROW_SLOT:], grand_total))
+    return out
+
+
+def merged_total_us(merged: dict[str, list[Any]]) -> int:
+    """The time (µs) of every merged fingerprint: with the evicted fingerprints'
+    time, the grand total behind ``share``."""
+    return sum(m[_ROW_SLOT + _TOTAL] for m in merged.values())
+
+
+def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary`` of several tables from their ``export_summary``."""
+    total, window = _new_slot(0), _new_slot(0)
+    fingerprints: set[str] = set()
+    for part in parts:
+        _add_slot(total, _import_slot(part["total"]))
+        _add_slot(window, _import_slot(part["window"]))
+        fingerprints.update(filter(None, part["fingerprints"].split(",")))
+    seconds = max((int(p["window_seconds"]) for p in parts), default=60)
+    evicted = sum(int(p["evicted_fingerprints"]) for p in parts)
+    return _summary_of(total, window, seconds, len(fingerprints), evicted)
+
+
+def _slot_key(by: str, offset: int = 0) -> Callable[[list[Any]], float]:
+    """The ranking key of a slot (or of a list holding one from ``offset`` on)."""
+    total, calls, errors, hist = (i + offset for i in (_TOTAL, _CALLS, _ERRORS, _HIST))
+    if by == "total_time":
+        return itemgetter(total)
+    if by == "mean":
+        return lambda v: v[total] / v[calls]
+    if by == "calls":
+        return itemgetter(calls)
+    if by == "errors":
+        return itemgetter(errors)
+    return lambda v: percentiles(v[hist], (0.99,))[0]
+
+
+def _summary_of(
+    total: list[Any], window: list[Any], seconds: int, fingerprints: int, evicted: int
+) -> dict[str, Any]:
+    p50, p99 = percentiles(total[_HIST], (0.5, 0.99))
+    (wp99,) = percentiles(window[_HIST], (0.99,))
+    return {
+        "queries": total[_CALLS],
+        "errors": total[_ERRORS],
+        "rows": total[_ROWS],
+        "total_ms": total[_TOTAL] / 1000,
+        "p50_ms": p50 / 1000,
+        "p99_ms": p99 / 1000,
+        "window_seconds": seconds,
+        "window_queries": window[_CALLS],
+        "window_errors": window[_ERRORS],
+        "qps": window[_CALLS] / seconds,
+        "window_p99_ms": wp99 / 1000,
+        "fingerprints": fingerprints,
+        "evicted_fingerprints": evicted,
+    }
+
+
+def _flat(hist: dict[int, int]) -> list[int]:
+    """A histogram as [bucket, count, bucket, count, ...] (JSON has no int keys)."""
+    return [x for pair in hist.items() for x in pair]
+
+
+def _unflat(flat: list[int] | None) -> dict[int, int]:
+    return dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
+
+
+def _export_slot(slot: list[Any]) -> list[Any]:
+    return [*slot[_CALLS:_HIST], _flat(slot[_HIST])]
+
+
+def _import_slot(exported: list[Any]) -> list[Any]:
+    return [0, *exported[:-1], _unflat(exported[-1])]
 
 
 def _add_slot(target: list[Any], slot: list[Any]) -> None:
