@@ -98,6 +98,7 @@ class Pool:
         self._welcome_future: asyncio.Future[None] | None = None
         self.last_error: Exception | None = None
         self._retry_handle: asyncio.TimerHandle | None = None
+        self._reserve_timer: asyncio.TimerHandle | None = None
         self._connect_failures = 0
         self.stale = False  # config changed: retire servers as they come back
         self.paused = False  # PAUSE: no server for new transactions until RESUME
@@ -123,6 +124,11 @@ class Pool:
     @property
     def size(self) -> int:
         return self.settings.size
+
+    @property
+    def reserve_in_use(self) -> int:
+        """Servers open (or opening) beyond ``size``, taken from the reserve pool."""
+        return max(0, len(self.servers) + self.connecting - self.settings.size)
 
     @property
     def active_count(self) -> int:
@@ -259,9 +265,54 @@ class Pool:
     def _open_for_waiters(self) -> None:
         if self.paused:
             return
-        want = min(len(self.waiters), self.size - len(self.servers)) - self.connecting
-        for _ in range(max(0, want)):
+        servers, waiters = len(self.servers), self.waiters
+        want = min(len(waiters), self.size - servers)
+        reserve = self.settings.reserve_size
+        if reserve and want < len(waiters):
+            # PgBouncer's reserve_pool: a client queued longer than reserve_pool_timeout
+            # may have one of ``reserve`` servers beyond ``size``.
+            overdue = self._overdue_waiters()
+            if overdue > want:
+                want = min(overdue, self.size + reserve - servers)
+                if want - self.connecting > 0:
+                    event("taking connection from reserve_pool", logging.WARNING,
+                          pool=self.name, waiting=len(waiters), servers=servers)  # fmt: skip
+        for _ in range(max(0, want - self.connecting)):
             self._spawn()
+        if reserve and want < len(waiters) and self._reserve_timer is None:
+            self._arm_reserve_timer()
+
+    def _overdue_waiters(self) -> int:
+        """How many waiters (the queue is FIFO: the first ones) passed reserve_pool_timeout."""
+        timeout = self.proxy.config.timeouts.reserve_pool_timeout
+        if not timeout:
+            return 0
+        deadline = perf_counter_ns() - int(timeout * 1e9)
+        overdue = 0
+        for waiter in self.waiters:
+            if waiter.waiting_since > deadline:
+                break
+            overdue += 1
+        return overdue
+
+    def _arm_reserve_timer(self) -> None:
+        """One timer per pool, only while clients wait: wake up when the first waiter
+        not yet overdue reaches reserve_pool_timeout, if the reserve still has room."""
+        timeout = self.proxy.config.timeouts.reserve_pool_timeout
+        if not timeout or self.paused:
+            return
+        if len(self.servers) + self.connecting >= self.size + self.settings.reserve_size:
+            return  # nothing left to open: a release will serve them
+        overdue = self._overdue_waiters()
+        if overdue >= len(self.waiters):
+            return
+        due_ns = self.waiters[overdue].waiting_since + int(timeout * 1e9)
+        delay = max(0.0, (due_ns - perf_counter_ns()) / 1e9)
+        self._reserve_timer = asyncio.get_running_loop().call_later(delay, self._reserve_due)
+
+    def _reserve_due(self) -> None:
+        self._reserve_timer = None
+        self._open_for_waiters()  # (re-arms for the next waiter if need be)
 
     def _spawn(self) -> None:
         self.connecting += 1
@@ -471,9 +522,10 @@ class Pool:
     def close_all(self, reason: str) -> None:
         for server in list(self.servers):
             server.close(reason)
-        if self._retry_handle is not None:
-            self._retry_handle.cancel()
-            self._retry_handle = None
+        for handle in (self._retry_handle, self._reserve_timer):
+            if handle is not None:
+                handle.cancel()
+        self._retry_handle = self._reserve_timer = None
 
 
 class _Borrower:
