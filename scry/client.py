@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import SessionTracker
-from scry.log import event
+from scry.log import event, logging_info
 from scry.observe.record import ClientContext
 from scry.pool import Pool, PoolStats, connect_error
 from scry.protocol import messages as m
@@ -503,8 +503,9 @@ class ClientConnection(asyncio.Protocol):
         self.context = ClientContext(
             self.id, self.database, self.user, self.application_name, self.proxy.worker_id
         )
-        event("client login", client=self.id, addr=self.addr, user=self.user,
-              db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
+        if logging_info():  # (the address costs a getpeername syscall)
+            event("client login", client=self.id, addr=self.addr, user=self.user,
+                  db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
         assert self._reader is not None
         early = self._reader.take_remaining()
         self._reader = None
@@ -1087,7 +1088,7 @@ class ClientConnection(asyncio.Protocol):
             self._give_back(server, pool)
         self.transport.close()
         self.proxy.on_client_closed(self)
-        if not quiet:
+        if not quiet and logging_info():
             event("client closed", client=self.id, addr=self.addr, user=self.user,
                   db=self.database, reason=reason)  # fmt: skip
 
