@@ -23,16 +23,18 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scry.config import Config, PoolConfig, PoolOverride
 from scry.log import event, logger, setup_logging
 
 __all__ = [
+    "INSTANCE_KEY_ENV",
     "MAX_WORKERS",
     "Supervisor",
     "WorkerIdentity",
@@ -53,6 +55,11 @@ BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 10.0
 BACKOFF_RESET_AFTER = 30.0
 
+#: How the supervisor hands its workers the instance's anonymization key when
+#: the config has none: one random key per instance, so that the workers' hashed
+#: literals and hot-value digests agree and merge (not a config setting).
+INSTANCE_KEY_ENV = "_SCRY_INSTANCE_ANONYMIZE_KEY"
+
 
 # --------------------------------------------------------------------------- #
 # Identity and budgets (pure)
@@ -69,10 +76,12 @@ class WorkerIdentity:
     instance: int = 0
     #: Take over the listening sockets of the instance already on this port.
     replace: bool = False
+    #: The instance's random anonymization key, used when the config sets none.
+    instance_key: str | None = field(default=None, repr=False)
 
     def share_of(self, config: Config) -> Config:
         """``config`` with this worker's share of every fleet budget."""
-        return worker_config(config, self.workers, self.worker_id)
+        return worker_config(config, self.workers, self.worker_id, self.instance_key)
 
 
 def share(total: int, workers: int, worker_id: int) -> int:
@@ -97,10 +106,14 @@ def _divide(values: dict[str, Any], workers: int, worker_id: int) -> dict[str, A
     }
 
 
-def worker_config(config: Config, workers: int, worker_id: int) -> Config:
+def worker_config(
+    config: Config, workers: int, worker_id: int, instance_key: str | None = None
+) -> Config:
     """The config one worker runs with: every divided budget replaced by its share.
 
-    Only worker 0 serves the admin API (the others would fight for its port).
+    Only worker 0 serves the admin API (the others would fight for its port;
+    it answers for all of them, see scry.adminapi.instance). Without an
+    ``observability.anonymize_key`` the workers use ``instance_key``.
     ``workers == 1`` returns ``config`` itself.
     """
     if workers == 1:
@@ -113,6 +126,9 @@ def worker_config(config: Config, workers: int, worker_id: int) -> Config:
             db = db.model_copy(update={"pool": db.pool.model_copy(update=shares)})
         databases[name] = db
     update: dict[str, Any] = {"pool": pool, "databases": databases}
+    observability = config.observability
+    if instance_key and not observability.anonymize_key:
+        update["observability"] = observability.model_copy(update={"anonymize_key": instance_key})
     if worker_id != 0 and config.admin.enabled:
         update["admin"] = config.admin.model_copy(update={"enabled": False})
     return config.model_copy(update=update)
@@ -180,6 +196,9 @@ def run_worker(config: Config, config_path: str | None, identity: WorkerIdentity
 
     if identity.workers > 1:
         logger.addFilter(_WorkerField(identity.worker_id))
+        key = os.environ.pop(INSTANCE_KEY_ENV, None)
+        if key:
+            identity = replace(identity, instance_key=key)
     return run_proxy(config, config_path, identity)
 
 
@@ -213,6 +232,8 @@ class Supervisor:
         self.workers = [_Worker(i) for i in range(workers)]
         self.replace = replace
         self.instance = os.getpid()
+        # One random anonymization key per instance (see INSTANCE_KEY_ENV).
+        self.instance_key = secrets.token_hex(32)
         self.stopping = 0  # stop signals received
         self.exit_code = 0
         self._stop_event = asyncio.Event()
@@ -248,7 +269,10 @@ class Supervisor:
         # Own process group: a terminal's Ctrl-C reaches only the supervisor,
         # which forwards it once (a worker seeing it twice would stop at once).
         worker.proc = await asyncio.create_subprocess_exec(
-            *self.command(worker), stdin=asyncio.subprocess.DEVNULL, process_group=0
+            *self.command(worker),
+            stdin=asyncio.subprocess.DEVNULL,
+            process_group=0,
+            env={**os.environ, INSTANCE_KEY_ENV: self.instance_key},
         )
         event("worker started", worker=worker.worker_id, pid=worker.proc.pid,
               generation=worker.generation)  # fmt: skip
