@@ -31,6 +31,43 @@ class Payload(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _fleet_field(description: str) -> Any:
+    """An optional field that only an instance with several workers fills in
+    (left out of the JSON when unset, so a single process answers as before)."""
+    return Field(None, exclude_if=_is_none, description=description)
+
+
+# --------------------------------------------------------------------------- #
+# Workers (``scry serve --workers N``)
+# --------------------------------------------------------------------------- #
+
+
+class WorkerMissing(Payload):
+    worker: int
+    error: str = Field(description="timeout, or why the worker could not be asked.")
+
+
+class FleetInfo(Payload):
+    """Which workers an answer covers; present when the instance runs several."""
+
+    scope: Literal["instance", "worker"] = Field(
+        description="instance: merged over every worker; worker: one worker's (?worker=N)."
+    )
+    workers: int = Field(description="Worker processes of the instance.")
+    answered: list[int] = Field(description="Workers whose figures are in this answer.")
+    missing: list[WorkerMissing] = Field(
+        description="Workers that did not answer in time (their figures are missing)."
+    )
+
+
+_FLEET = "Workers this answer covers (only with several workers)."
+_WORKER = "The worker process this row belongs to (only with several workers)."
+
+
 # --------------------------------------------------------------------------- #
 # Errors and liveness
 # --------------------------------------------------------------------------- #
@@ -100,6 +137,10 @@ class Status(Payload):
     waiting: int
     pinned: int = Field(description="Servers held by pinned sessions.")
     queries: QueryTotals
+    per_worker: list[Status] | None = _fleet_field(
+        "Each worker's own status (instance scope only); the fields above are totals."
+    )
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 # --------------------------------------------------------------------------- #
@@ -133,10 +174,12 @@ class PoolInfo(Payload):
     breaker: str = Field(description="State of the database's circuit breaker.")
     last_error: str | None
     totals: PoolTotals
+    workers: list[int] | None = _fleet_field("Workers that have this pool (summed above).")
 
 
 class PoolList(Payload):
     pools: list[PoolInfo]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 class ClientInfo(Payload):
@@ -160,6 +203,7 @@ class ClientInfo(Payload):
         description="Normalized (anonymized) text of the statement running now."
     )
     running_ms: float | None
+    worker: int | None = _fleet_field(_WORKER)
 
 
 class ClientList(Payload):
@@ -167,6 +211,7 @@ class ClientList(Payload):
     offset: int
     limit: int
     clients: list[ClientInfo]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 class ServerInfo(Payload):
@@ -184,6 +229,7 @@ class ServerInfo(Payload):
     tx_status: str = Field(description="I idle, T in a transaction, E in a failed transaction.")
     pinned: bool
     retire: bool
+    worker: int | None = _fleet_field(_WORKER)
 
 
 class ServerList(Payload):
@@ -191,6 +237,7 @@ class ServerList(Payload):
     offset: int
     limit: int
     servers: list[ServerInfo]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 # --------------------------------------------------------------------------- #
@@ -219,10 +266,12 @@ class PinInfo(Payload):
     pinned_by: dict[str, str] = Field(
         description="Per reason, the (anonymized) statement that first pinned it."
     )
+    worker: int | None = _fleet_field(_WORKER)
 
 
 class PinList(Payload):
     pins: list[PinInfo]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 class UnpinResult(Payload):
@@ -232,6 +281,7 @@ class UnpinResult(Payload):
     lost: list[str] = Field(default_factory=list)
     disconnected: bool = False
     reason: str | None = None
+    worker: int | None = _fleet_field(_WORKER)
 
 
 # --------------------------------------------------------------------------- #
@@ -267,6 +317,7 @@ class BreakerTransition(Payload):
     from_: str = Field(alias="from")
     to: str
     reason: str
+    worker: int | None = _fleet_field("The worker whose breaker changed (instance scope only).")
 
 
 class BreakerSnapshot(Payload):
@@ -314,6 +365,7 @@ class HealthSignal(Payload):
     threshold: float
     for_seconds: float
     message: str
+    worker: int | None = _fleet_field("The worker whose monitor raised it (instance scope only).")
 
 
 class HealthSnapshot(Payload):
@@ -325,14 +377,27 @@ class HealthSnapshot(Payload):
     signals: list[HealthSignal]
 
 
-class BreakerEntry(Payload):
-    database: str
+class WorkerBreaker(Payload):
+    """One worker's breaker and health monitor of a database."""
+
+    worker: int
     breaker: BreakerSnapshot
     health: HealthSnapshot
 
 
+class BreakerEntry(Payload):
+    database: str
+    breaker: BreakerSnapshot
+    health: HealthSnapshot
+    workers: list[WorkerBreaker] | None = _fleet_field(
+        "Each worker's own breaker and monitor (instance scope only); the fields above "
+        "merge them (docs/admin-api.md, Workers)."
+    )
+
+
 class BreakerList(Payload):
     databases: list[BreakerEntry]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 class BreakerActionResult(Payload):
@@ -372,6 +437,7 @@ class TopQueries(Payload):
     window_seconds: float | None
     limit: int
     queries: list[TopQuery]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 class HotTable(Payload):
@@ -388,6 +454,7 @@ class HotValue(Payload):
 class HotData(Payload):
     tables: list[HotTable]
     values: list[HotValue]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 class TailEvent(Payload):
@@ -418,6 +485,9 @@ class TailNotice(Payload):
     type: Literal["heartbeat", "dropped"]
     ts: float
     dropped: int = Field(description="Events dropped for this reader so far.")
+    missing: list[WorkerMissing] | None = _fleet_field(
+        "Workers whose events this stream is not receiving now (with several workers)."
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -428,12 +498,14 @@ class TailNotice(Payload):
 class KillResult(Payload):
     client_id: str
     killed: bool
+    worker: int | None = _fleet_field(_WORKER)
 
 
 class ReloadResult(Payload):
     reloaded: bool
     config_path: str
     databases: list[str]
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 class PauseResult(Payload):
@@ -442,6 +514,7 @@ class PauseResult(Payload):
     complete: bool = Field(
         description="Pause: every server finished and was closed within the wait. Resume: true."
     )
+    fleet: FleetInfo | None = _fleet_field(_FLEET)
 
 
 # --------------------------------------------------------------------------- #
@@ -475,6 +548,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         404: "No such client or database.",
         409: "Not possible in the current state.",
         501: "Not implemented by this proxy.",
+        503: "No worker of the instance answered in time.",
     }
     return {str(code): _json(ErrorResponse, texts[code]) for code in codes}
 
@@ -488,16 +562,28 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
     schemas: dict[str, Any] = defs.get("$defs", {})
     limit = {"type": "integer", "minimum": 1, "maximum": 1000}
     offset = {"type": "integer", "minimum": 0}
-    client_id = _param("client_id", "path", {"type": "string"}, "A client id (c123).", True)
+    client_id = _param(
+        "client_id",
+        "path",
+        {"type": "string"},
+        "A client id as listed: c123, or w1.c123 with several workers.",
+        True,
+    )
     database = _param("database", "query", {"type": "string"}, "One database; all when omitted.")
+    worker = _param(
+        "worker",
+        "query",
+        {"type": "integer", "minimum": 0, "maximum": 63},
+        "With several workers: one worker's view (the whole instance when omitted).",
+    )
     secured: list[dict[str, list[str]]] = [{"bearer": []}]
 
     def get(model: type[BaseModel], summary: str, params: list[dict[str, Any]] | None = None, extra: tuple[int, ...] = ()) -> dict[str, Any]:  # fmt: skip
         return {
             "get": {
                 "summary": summary,
-                "parameters": params or [],
-                "responses": {"200": _json(model, summary), **_errors(401, *extra)},
+                "parameters": [*(params or []), worker],
+                "responses": {"200": _json(model, summary), **_errors(400, 401, 503, *extra)},
             }
         }
 
@@ -521,13 +607,14 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
         },
         "/metrics": {
             "get": {
-                "summary": "Prometheus text exposition.",
+                "summary": "Prometheus text exposition (the instance's, or ?worker=N's own).",
+                "parameters": [worker],
                 "responses": {
                     "200": {
                         "description": "Metrics.",
                         "content": {"text/plain": {"schema": {"type": "string"}}},
                     },
-                    **_errors(401),
+                    **_errors(400, 401, 503),
                 },
             }
         },
@@ -555,7 +642,10 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
             (400,),
         ),
         f"{p}/clients/{{client_id}}/kill": post(
-            KillResult, "Disconnect a client (SQLSTATE 57P01).", [client_id], (404,)
+            KillResult,
+            "Disconnect a client (SQLSTATE 57P01).",
+            [client_id, worker],
+            (400, 404, 503),
         ),
         f"{p}/servers": get(
             ServerList,
@@ -572,6 +662,7 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
             "Force-unpin: replay what can be replayed, say what could not.",
             [
                 client_id,
+                worker,
                 _param(
                     "disconnect",
                     "query",
@@ -579,7 +670,7 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
                     "Disconnect a client whose state cannot be replayed.",
                 ),
             ],
-            (400, 404),
+            (400, 404, 503),
         ),
         f"{p}/breaker": get(BreakerList, "Circuit breakers and health signals per database."),
         f"{p}/breaker/trip": post(
@@ -623,6 +714,7 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
                     _param("errors", "query", {"type": "boolean"}, "Only failed statements."),
                     _param("database", "query", {"type": "string"}, "Only this database."),
                     _param("client_id", "query", {"type": "string"}, "Only this client."),
+                    worker,
                 ],
                 "responses": {
                     "200": {
@@ -632,7 +724,7 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
                             "text/event-stream": {"schema": {"type": "string"}},
                         },
                     },
-                    **_errors(400, 401),
+                    **_errors(400, 401, 503),
                 },
             }
         },
@@ -648,10 +740,10 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
                     "Seconds to wait for running transactions (default 5).",
                 ),
             ],
-            (404, 501),
+            (404, 501, 503),
         ),
-        f"{p}/resume": post(PauseResult, "PgBouncer's RESUME.", [database], (404, 501)),
-        f"{p}/reload": post(ReloadResult, "Re-read the config file.", extra=(400, 409)),
+        f"{p}/resume": post(PauseResult, "PgBouncer's RESUME.", [database], (404, 501, 503)),
+        f"{p}/reload": post(ReloadResult, "Re-read the config file.", extra=(400, 409, 503)),
     }
     return {
         "openapi": "3.1.0",

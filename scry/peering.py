@@ -34,10 +34,21 @@ byte says what it is::
     b"J" + one JSON object + b"\\n"      {"op": "breaker", ...} a breaker transition
                                         {"op": "takeover"} a rolling restart: the
                                         reply carries the listening sockets (SCM_RIGHTS)
+                                        {"op": "admin", "view": ...} an admin request
+                                        from worker 0: the reply is one JSON document,
+                                        then EOF (scry.adminapi.local)
+                                        {"op": "tail", "filter": {...}} worker 0's live
+                                        tail: NDJSON events until either side closes
+                                        (scry.adminapi.tail)
 
 Breaker sharing: when a worker's breaker opens or closes, it tells the other
 workers of its instance, which trip (``hold`` as the origin's) or reset theirs;
 a transition applied from a message is not sent on, so nothing echoes.
+
+Observability: only worker 0 serves the admin API; it asks the other workers
+over these sockets and merges their answers (scry.adminapi.instance). A
+worker answers from its event loop with the same short reads as the HTTP
+handlers; worker 0 gives each one a second.
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ KEY_MASK = 0x7FFFFFFF & ~(VIA_PEER | VIA_LOCAL)
 
 CONNECT_TIMEOUT = 2.0
 TAKEOVER_TIMEOUT = 5.0
+ADMIN_WRITE_TIMEOUT = 5.0  # worker 0 gives up after a second; never hold a reply longer
 WATCHDOG_INTERVAL = 1.0
 _CANCEL = struct.Struct("!iiiI")
 
@@ -360,14 +372,33 @@ class Peering:
             elif kind == b"J":
                 line = await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT)
                 message = json.loads(line)
-                if message.get("op") == "breaker":
+                op = message.get("op")
+                if op == "breaker":
                     self._apply_breaker(message)
-                elif message.get("op") == "takeover":
+                elif op == "takeover":
                     await self._hand_over(writer)
+                elif op == "admin":
+                    await self._answer_admin(message, writer)
+                elif op == "tail":
+                    # Imported here: the admin layer builds on the proxy, not the reverse.
+                    from scry.adminapi.tail import stream_tail
+
+                    await stream_tail(self.proxy, message, reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, KeyError) as exc:
             event("bad message on the peering socket", logging.WARNING, error=repr(exc))
         finally:
             writer.close()
+
+    async def _answer_admin(self, message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """Worker 0 asks for this worker's view of something (scry.adminapi.local)."""
+        from scry.adminapi.local import answer
+
+        reply = await answer(self.proxy, message)
+        try:
+            writer.write(reply)
+            await asyncio.wait_for(writer.drain(), ADMIN_WRITE_TIMEOUT)
+        except ConnectionError:
+            pass  # worker 0 stopped waiting (its timeout): nobody to tell
 
     async def _hand_over(self, writer: asyncio.StreamWriter) -> None:
         """Rolling restart: give our listening sockets to the new instance, then drain."""

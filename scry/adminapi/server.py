@@ -16,6 +16,12 @@ Staying out of the query path's way:
   stops reading for ``TAIL_WRITE_TIMEOUT`` end its stream;
 * no access log (a line per poll would cost more than the poll).
 
+With several workers (``scry serve --workers N``) only worker 0 runs this
+server, and every read and action answers for the whole instance: the
+workers are asked over their peering sockets and their answers merged
+(scry.adminapi.instance); ``?worker=N`` answers for one worker. With one
+worker nothing of that runs.
+
 Authorization (``admin.token``, compared with ``hmac.compare_digest``):
 ``/healthz`` is always open; ``/metrics`` is open with
 ``admin.metrics_public``; any other read needs the token when one is
@@ -33,45 +39,41 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from admin import schemas as s
 from scry import __version__
-from scry.adminapi import views
-from scry.config import ConfigError, load_config, split_host_port
+from scry.adminapi import local, views
+from scry.adminapi.errors import ApiError
+from scry.adminapi.instance import Instance, Scope
+from scry.adminapi.tail import (
+    TAIL_BATCH,
+    TAIL_BUFFER,
+    TAIL_HEARTBEAT,
+    TAIL_WRITE_TIMEOUT,
+    FleetTail,
+)
+from scry.config import split_host_port
 from scry.log import event
-from scry.protocol.errors import ADMIN_SHUTDOWN
 
 if TYPE_CHECKING:
-    from scry.client import ClientConnection
     from scry.observe.events import Subscription
     from scry.proxy import Proxy
 
 log = logging.getLogger("scry.admin")
 
 P = s.API_PREFIX
-TAIL_BUFFER = 1_000  # events held for one slow tail reader before the oldest is dropped
-TAIL_HEARTBEAT = 1.0  # seconds between heartbeats on an idle tail
-TAIL_WRITE_TIMEOUT = 30.0  # a reader that takes no bytes this long is disconnected
-TAIL_BATCH = 200  # events written per write() call at most
 SUMMARY_TTL = 0.5  # seconds a stats summary is reused between status polls
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+TailSource = Union["Subscription", FleetTail]
 
-
-class ApiError(Exception):
-    """An error answer: HTTP status, stable code, message."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
+__all__ = ["AdminServer", "ApiError"]
 
 
 def _model_response(model: BaseModel, status: int = 200) -> web.Response:
@@ -150,7 +152,9 @@ class AdminServer:
         self.address = ""  # host:port actually bound (port 0 picks a free one)
         self.port = 0
         self.tls = False
-        self._tails: set[Subscription] = set()
+        # Several workers: worker 0 answers for all of them (None: a single process).
+        self.instance = Instance(proxy) if proxy.identity.workers > 1 else None
+        self._tails: set[TailSource] = set()
         self._summary: tuple[float, dict[str, Any]] | None = None
         self._openapi: bytes | None = None
 
@@ -267,11 +271,14 @@ class AdminServer:
         if action and cfg.read_only:
             raise ApiError(403, "read_only", "the admin API is read-only (admin.read_only: true)")
 
-    def _find_client(self, client_id: str) -> ClientConnection:
-        for client in self.proxy.clients:
-            if client.id == client_id:
-                return client
-        raise ApiError(404, "not_found", f"no client {client_id!r}")
+    def _scope(self, request: web.Request) -> Scope | None:
+        """The workers to answer for: None when this process is the whole instance
+        (one worker: answer directly, as always); else all, or ``?worker=N``."""
+        workers = self.proxy.identity.workers
+        worker = None
+        if request.query.get("worker", "") != "":
+            worker = _int_param(request, "worker", 0, 0, workers - 1)
+        return None if self.instance is None else self.instance.scope(worker)
 
     # --- reads ------------------------------------------------------------------------
 
@@ -279,7 +286,11 @@ class AdminServer:
         return _model_response(s.Health(draining=self.proxy.draining))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = self.proxy.observatory.metrics.text()
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            body = await self.instance.metrics(scope)
+        else:
+            body = self.proxy.observatory.metrics.text()
         response = web.Response(body=body)
         response.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
         return response
@@ -294,30 +305,48 @@ class AdminServer:
         cached = self._summary
         if cached is not None and now - cached[0] < SUMMARY_TTL:
             return cached[1]
-        summary = self.proxy.observatory.stats_summary()
+        summary = local.status_summary(self.proxy)
         self._summary = (now, summary)
         return summary
 
     async def status(self, request: web.Request) -> web.Response:
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.status(scope))
         return _model_response(
             views.status(self.proxy, self.address, self._stats_summary(), self._paused())
         )
 
     async def pools(self, request: web.Request) -> web.Response:
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.pools(scope))
         return _model_response(views.pools(self.proxy))
 
     async def clients(self, request: web.Request) -> web.Response:
         limit, offset = _page(request)
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.clients(scope, limit, offset))
         return _model_response(views.clients(self.proxy, limit, offset))
 
     async def servers(self, request: web.Request) -> web.Response:
         limit, offset = _page(request)
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.servers(scope, limit, offset))
         return _model_response(views.servers(self.proxy, limit, offset))
 
     async def pins(self, request: web.Request) -> web.Response:
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.pins(scope))
         return _model_response(views.pins(self.proxy))
 
     async def breaker(self, request: web.Request) -> web.Response:
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.breaker(scope))
         return _model_response(views.breakers(self.proxy))
 
     async def top(self, request: web.Request) -> web.Response:
@@ -326,16 +355,17 @@ class AdminServer:
             raise ApiError(400, "bad_parameter", f"by must be one of {', '.join(s.RANKINGS)}")
         limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
         window = _float_param(request, "window", 0.0, 86400.0, exclusive_low=True)
-        rows = self.proxy.observatory.top(by, limit, window)
-        return _model_response(
-            s.TopQueries.model_validate(
-                {"by": by, "window_seconds": window, "limit": limit, "queries": rows}
-            )
-        )
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.top(scope, by, limit, window))
+        return _model_response(local.top(self.proxy, by, limit, window))
 
     async def hot(self, request: web.Request) -> web.Response:
         limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
-        return _model_response(s.HotData.model_validate(self.proxy.observatory.hot(limit)))
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            return _model_response(await self.instance.hot(scope, limit))
+        return _model_response(local.hot(self.proxy, limit))
 
     # --- the live tail ----------------------------------------------------------------
 
@@ -353,6 +383,12 @@ class AdminServer:
         if _bool_param(request, "errors"):
             wanted["errors_only"] = True
         sse = "text/event-stream" in request.headers.get("Accept", "")
+        scope = self._scope(request)
+        subscription: TailSource
+        if scope is not None and self.instance is not None:
+            subscription = self.instance.tail(scope, wanted)  # before answering: may refuse
+        else:
+            subscription = self.proxy.observatory.subscribe(wanted, maxsize=TAIL_BUFFER)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream" if sse else "application/x-ndjson",
@@ -360,11 +396,10 @@ class AdminServer:
                 "X-Accel-Buffering": "no",
             }
         )
-        await response.prepare(request)
-        subscription = self.proxy.observatory.subscribe(wanted, maxsize=TAIL_BUFFER)
         self._tails.add(subscription)
         reported = 0
         try:
+            await response.prepare(request)
             while not subscription.closed:
                 try:
                     first = await asyncio.wait_for(subscription.get(), TAIL_HEARTBEAT)
@@ -416,25 +451,23 @@ class AdminServer:
     # --- actions ----------------------------------------------------------------------
 
     async def kill(self, request: web.Request) -> web.Response:
-        client = self._find_client(request.match_info["client_id"])
-        event("client killed by an administrator", client=client.id, addr=client.addr)
-        client.fatal(ADMIN_SHUTDOWN, "terminated by administrator")
-        return _model_response(s.KillResult(client_id=client.id, killed=True))
+        client_id = request.match_info["client_id"]
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            result = await self.instance.act_on_client("kill", client_id, scope)
+            return _model_response(s.KillResult.model_validate(result))
+        return _model_response(local.kill(self.proxy, client_id))
 
     async def unpin(self, request: web.Request) -> web.Response:
         disconnect = _bool_param(request, "disconnect")
-        client = self._find_client(request.match_info["client_id"])
-        result = client.force_unpin(disconnect=disconnect)
-        return _model_response(
-            s.UnpinResult(
-                client_id=client.id,
-                unpinned=bool(result.get("unpinned")),
-                replayed=list(result.get("replayed") or ()),  # type: ignore[call-overload]
-                lost=list(result.get("lost") or ()),  # type: ignore[call-overload]
-                disconnected=bool(result.get("disconnected")),
-                reason=result.get("reason"),  # type: ignore[arg-type]
+        client_id = request.match_info["client_id"]
+        scope = self._scope(request)
+        if scope is not None and self.instance is not None:
+            result = await self.instance.act_on_client(
+                "unpin", client_id, scope, disconnect=disconnect
             )
-        )
+            return _model_response(s.UnpinResult.model_validate(result))
+        return _model_response(local.unpin(self.proxy, client_id, disconnect))
 
     def _breaker_targets(self, request: web.Request) -> list[str]:
         known = views.breaker_databases(self.proxy)
@@ -467,50 +500,33 @@ class AdminServer:
             )
         )
 
-    def _database_param(self, request: web.Request) -> str | None:
-        database = request.query.get("database") or None
-        if database is not None and database not in self.proxy.targets:
-            raise ApiError(404, "not_found", f"no database {database!r}")
-        return database
-
     async def pause(self, request: web.Request) -> web.Response:
-        database = self._database_param(request)
+        database = local.check_database(self.proxy, request.query.get("database") or None)
         wait = _float_param(request, "wait", 0.0, 60.0)
-        pause = getattr(self.proxy, "pause", None)
-        if pause is None:
-            raise ApiError(501, "not_implemented", "PAUSE is not implemented by this proxy")
-        complete = await pause(database, 5.0 if wait is None else wait)
-        return _model_response(
-            s.PauseResult(paused=self._paused(), database=database, complete=bool(complete))
-        )
+        wait = 5.0 if wait is None else wait
+        if self.instance is not None:
+            return _model_response(await self.instance.pause(database, wait))
+        return _model_response(await local.pause(self.proxy, database, wait))
 
     async def resume(self, request: web.Request) -> web.Response:
-        database = self._database_param(request)
-        resume = getattr(self.proxy, "resume", None)
-        if resume is None:
-            raise ApiError(501, "not_implemented", "RESUME is not implemented by this proxy")
-        resume(database)
-        return _model_response(
-            s.PauseResult(paused=self._paused(), database=database, complete=True)
-        )
+        database = local.check_database(self.proxy, request.query.get("database") or None)
+        if self.instance is not None:
+            return _model_response(await self.instance.resume(database))
+        return _model_response(local.resume(self.proxy, database))
 
     def _paused(self) -> bool:
         return bool(getattr(self.proxy, "paused", False))
 
     async def reload(self, request: web.Request) -> web.Response:
-        proxy = self.proxy
-        path = proxy.config_path
-        if path is None:
-            raise ApiError(409, "no_config_file", "the proxy was started without a config file")
-        try:
-            load_config(path)  # the proxy would only log this; the caller wants to know
-        except ConfigError as exc:
-            raise ApiError(400, "invalid_config", f"config not reloaded: {exc}") from None
-        proxy.reload()
-        return _model_response(
-            s.ReloadResult(reloaded=True, config_path=str(path), databases=sorted(proxy.targets))
-        )
+        if self.instance is not None:
+            return _model_response(await self.instance.reload())
+        return _model_response(local.reload(self.proxy))
 
 
-def _notice(kind: str, subscription: Subscription) -> dict[str, Any]:
-    return {"type": kind, "ts": time.time(), "dropped": subscription.dropped}
+def _notice(kind: str, subscription: TailSource) -> dict[str, Any]:
+    notice = {"type": kind, "ts": time.time(), "dropped": subscription.dropped}
+    if isinstance(subscription, FleetTail):
+        notice["missing"] = [
+            {"worker": w, "error": e} for w, e in sorted(subscription.missing.items())
+        ]
+    return notice
