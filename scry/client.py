@@ -1,10 +1,12 @@
-"""A client connected to scry: startup, authentication, then the relay.
+"""A client connected to scry: the relay between it and its servers.
 
 ``ClientConnection`` is an ``asyncio.Protocol``:
 
     startup -> auth -> login (waiting for the pool's first server) -> ready -> closed
 
-In ``ready`` every chunk from the client is scanned for the messages that
+The way in (startup, TLS, auth, greeting) is :mod:`scry.client_login`; the
+whole-message mode for named prepared statements is :mod:`scry.client_messages`;
+both are mixins of this one class. In ``ready`` every chunk from the client is scanned for the messages that
 matter to pooling (Query, Sync and FunctionCall each owe one ReadyForQuery;
 Terminate ends the client) and forwarded whole to its server. Without a server
 the chunk is queued, reading pauses, and the pool is asked for one; in
@@ -18,34 +20,29 @@ import asyncio
 import asyncio.sslproto
 import itertools
 import logging
-import ssl
 import time
 from collections import deque
 from time import monotonic, perf_counter_ns
 from typing import TYPE_CHECKING
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
+from scry.client_login import AUTH, CLOSED, LOGIN, READY, STARTUP, ClientLogin
+from scry.client_messages import FUNCTION_CALL_MARK, SYNC_MARK, MessageModeRelay, parse_text
 from scry.hybrid import SessionTracker
 from scry.log import event, logging_info
 from scry.observe.record import ClientContext
-from scry.pool import Pool, PoolStats, connect_error
+from scry.pool import Pool, PoolStats
 from scry.protocol import messages as m
-from scry.protocol import startup as st
-from scry.protocol.auth import AuthStep, ClientAuthExchange
+from scry.protocol.auth import ClientAuthExchange
 from scry.protocol.errors import (
     ADMIN_SHUTDOWN,
     CONNECTION_FAILURE,
-    FEATURE_NOT_SUPPORTED,
-    INVALID_AUTHORIZATION,
     PROTOCOL_VIOLATION,
-    TOO_MANY_CONNECTIONS,
     ProtocolViolation,
 )
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ClientStatements
-from scry.protocol.prepared import rewrite as rewrite_statements
-from scry.server import REC_EXECUTE, REC_QUERY, REC_SYNC, ServerConnection, ServerLoginError
-from scry.tls import peer_common_name
+from scry.server import REC_EXECUTE, REC_QUERY, REC_SYNC, ServerConnection
 
 if TYPE_CHECKING:
     from scry.proxy import Proxy
@@ -57,9 +54,6 @@ _X = m.TERMINATE[0]
 _EXECUTE = m.EXECUTE[0]
 _MARKED = frozenset(x[0] for x in (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH))
 _PARSE = m.PARSE[0]
-_BIND = m.BIND[0]
-_COPY_DONE = m.COPY_DONE[0]
-_COPY_FAIL = m.COPY_FAIL[0]
 
 # Client messages the relay must see (every other one is forwarded unread).
 CLIENT_WANT = (
@@ -74,7 +68,6 @@ CLIENT_WANT = (
 )
 # Reported without their bodies: enough to know a batch is open until its Sync.
 CLIENT_MARK = (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH)
-_EXTENDED = frozenset(x[0] for x in (m.PARSE, m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH, m.EXECUTE))
 
 # Settings PostgreSQL reports with ParameterStatus that a client may change;
 # scry re-applies them on whichever server serves the client.
@@ -89,75 +82,15 @@ TRACKED_PARAMETERS = frozenset(
         "search_path",
     }
 )
-# GUC names are case-insensitive; ParameterStatus uses these spellings.
-_CANONICAL = {"datestyle": "DateStyle", "intervalstyle": "IntervalStyle", "timezone": "TimeZone"}
-# Startup keys that are not settings.
-_NOT_SETTINGS = frozenset({"user", "database", "options", "replication"})
-
 # Client bytes held while waiting for a server before reading pauses.
 MAX_QUEUED_BYTES = 256 * 1024
 
-_READY_IDLE = m.ready_for_query()
-_SYNC_MARK = (REC_SYNC, b"")
-_FUNCTION_CALL_MARK = (REC_QUERY, b"<function call>")
-
-STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 
 _ids = itertools.count(1)
 _NO_STATS = PoolStats()  # counts nothing anyone reads: clients before they have a pool
 
 
-def parse_text(body: bytes) -> bytes:
-    """The query text of a Parse message body (statement name NUL query NUL ...)."""
-    start = body.find(b"\x00") + 1
-    return body[start : body.find(b"\x00", start)]
-
-
-def canonical_name(name: str) -> str:
-    lower = name.lower()
-    return _CANONICAL.get(lower, lower)
-
-
-def parse_options(options: str) -> dict[str, str]:
-    """Settings from a startup ``options`` string (``-c name=value`` / ``--name=value``)."""
-    tokens: list[str] = []
-    current = []
-    escaped = False
-    for ch in options:
-        if escaped:
-            current.append(ch)
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch.isspace():
-            if current:
-                tokens.append("".join(current))
-                current = []
-        else:
-            current.append(ch)
-    if current:
-        tokens.append("".join(current))
-    settings: dict[str, str] = {}
-    it = iter(tokens)
-    for token in it:
-        if token == "-c":
-            token = next(it, "")
-        elif token.startswith("-c") or token.startswith("--"):
-            token = token[2:]
-        else:
-            raise ProtocolViolation(f"unsupported startup option {token!r}", FEATURE_NOT_SUPPORTED)
-        name, sep, value = token.partition("=")
-        if not sep or not name:
-            raise ProtocolViolation(f"invalid startup option {token!r}", FEATURE_NOT_SUPPORTED)
-        settings[canonical_name(name.replace("-", "_"))] = value
-    return settings
-
-
-def _valid_setting_name(name: str) -> bool:
-    return name.replace("_", "a").replace(".", "a").isalnum()
-
-
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
     """One application connection to scry."""
 
     def __init__(self, proxy: Proxy) -> None:
@@ -255,263 +188,6 @@ class ClientConnection(asyncio.Protocol):
                 "client disconnected" if exc is None else f"client connection lost: {exc}"
             )
 
-    # --- startup -----------------------------------------------------------------
-
-    def _startup_data(self, data: bytes) -> None:
-        buf = self._startup_buf
-        if not buf and not self.tls and data[:1] == b"\x16":
-            # A TLS ClientHello with no SSLRequest first: PostgreSQL 17's direct
-            # TLS negotiation (sslnegotiation=direct, ALPN "postgresql").
-            self._direct_tls(data)
-            return
-        buf += data
-        while self.state is STARTUP:
-            try:
-                parsed = st.read_startup_packet(buf)
-            except ProtocolViolation as exc:
-                self.fatal(exc.sqlstate, str(exc))
-                return
-            if parsed is None:
-                return
-            packet, used = parsed
-            del buf[:used]
-            if isinstance(packet, st.SSLRequest):
-                context = self.proxy.client_tls.context
-                if context is None or self.tls:
-                    self.transport.write(b"N")
-                else:
-                    self._upgrade_to_tls(context)
-                    return
-            elif isinstance(packet, st.GSSENCRequest):
-                self.transport.write(b"N")  # no GSSAPI encryption; the client may go on
-            elif isinstance(packet, st.CancelRequest):
-                self.proxy.handle_cancel(packet.pid, packet.secret)
-                self._cleanup("cancel request", quiet=True)
-                return
-            else:
-                self._begin_login(packet)
-
-    def _direct_tls(self, hello: bytes) -> None:
-        context = self.proxy.client_tls.context
-        if context is None:
-            event("direct TLS from a client, but client TLS is disabled", logging.WARNING,
-                  client=self.id, addr=self.addr)  # fmt: skip
-            self._cleanup("direct TLS without client_tls", quiet=True)
-            return
-        # The ClientHello is already read, so asyncio's start_tls cannot be used:
-        # put an SSL protocol between the transport and us by hand and hand it
-        # the bytes we took (asyncio's SSLProtocol works on memory BIOs).
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        tls = asyncio.sslproto.SSLProtocol(
-            loop, self, context, waiter, server_side=True, call_connection_made=False,
-            ssl_handshake_timeout=30,
-        )  # fmt: skip
-        raw = self.transport
-        raw.set_protocol(tls)
-        tls.connection_made(raw)
-        self.transport = tls._app_transport  # type: ignore[assignment]
-        self.tls = True
-        loop.create_task(self._direct_tls_done(waiter))
-        view = memoryview(hello)
-        while view:  # SSLProtocol is a BufferedProtocol: copy into its buffer
-            buffer = tls.get_buffer(len(view))
-            n = min(len(buffer), len(view))
-            buffer[:n] = view[:n]
-            tls.buffer_updated(n)
-            view = view[n:]
-
-    async def _direct_tls_done(self, waiter: asyncio.Future[None]) -> None:
-        try:
-            await waiter
-        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
-            event("client TLS handshake failed", logging.WARNING, client=self.id,
-                  error=str(exc) or type(exc).__name__)  # fmt: skip
-            if self.state is not CLOSED:
-                self._cleanup("TLS handshake failed", quiet=True)
-            return
-        selected = self.transport.get_extra_info("ssl_object")
-        if selected is not None and selected.selected_alpn_protocol() != "postgresql":
-            # PostgreSQL requires the ALPN for direct TLS; so do we.
-            self.fatal(PROTOCOL_VIOLATION, "direct TLS requires ALPN protocol postgresql")
-
-    def _upgrade_to_tls(self, context: ssl.SSLContext) -> None:
-        # Nothing may be read between our 'S' and the handshake taking over.
-        self.transport.pause_reading()
-        self.transport.write(b"S")
-        asyncio.get_running_loop().create_task(self._tls_handshake(context))
-
-    async def _tls_handshake(self, context: ssl.SSLContext) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            transport = await loop.start_tls(
-                self.transport, self, context, server_side=True, ssl_handshake_timeout=30
-            )
-        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
-            event("client TLS handshake failed", logging.WARNING, client=self.id,
-                  addr=self.addr, error=str(exc) or type(exc).__name__)  # fmt: skip
-            self._cleanup("TLS handshake failed", quiet=True)
-            self.transport.abort()
-            return
-        if transport is None or self.state is CLOSED:
-            return
-        self.transport = transport  # type: ignore[assignment]
-        self.tls = True
-        if self._startup_buf:
-            self._startup_data(b"")
-
-    def _begin_login(self, packet: st.StartupMessage) -> None:
-        proxy = self.proxy
-        params = packet.params
-        self.user = packet.user
-        self.database = packet.database
-        if proxy.client_tls.required and not self.tls:
-            self.fatal(INVALID_AUTHORIZATION, "SSL required",
-                       detail=f"tls.client_tls_sslmode is {proxy.client_tls.mode}")  # fmt: skip
-            return
-        if proxy.auth.method == "cert" or proxy.client_tls.mode == "verify-full":
-            common_name = peer_common_name(self.transport) if self.tls else None
-            if common_name != self.user:
-                event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
-                      user=self.user, reason="certificate CN does not match")  # fmt: skip
-                self.fatal(
-                    INVALID_AUTHORIZATION,
-                    f'certificate authentication failed for user "{self.user}"',
-                )
-                return
-        if "replication" in params and params["replication"] not in ("false", "off", "0"):
-            self.fatal(FEATURE_NOT_SUPPORTED, "replication connections are not supported by scry")
-            return
-        if proxy.draining:
-            self.fatal(ADMIN_SHUTDOWN, "scry is shutting down")
-            return
-        if proxy.client_count > proxy.config.pool.max_client_conn:
-            self.fatal(TOO_MANY_CONNECTIONS, "no more connections allowed (max_client_conn)")
-            return
-        if proxy.config.pgbouncer is not None:  # PgBouncer mode: console, DISABLE, '*', [users]
-            from scry.pgbouncer.console import route_login
-
-            if route_login(self, packet):
-                return
-        target = proxy.targets.get(self.database)
-        if target is None:
-            self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")
-            return
-        try:
-            settings = {}
-            for key, value in params.items():
-                if key in _NOT_SETTINGS:
-                    continue
-                name = canonical_name(key)
-                if not _valid_setting_name(name):
-                    raise ProtocolViolation(f"unsupported startup parameter: {key}")
-                settings[name] = value
-            if params.get("options"):
-                settings.update(parse_options(params["options"]))
-        except ProtocolViolation as exc:
-            self.fatal(exc.sqlstate, str(exc))
-            return
-        self.params = settings
-        self.application_name = settings.get("application_name", "")
-        server_user, server_password = proxy.auth.server_credentials(target, self.user)
-        self.pool = proxy.pool_for(target, server_user, server_password)
-        self.stats = self.pool.stats
-        mode = self.pool.mode
-        self.transaction_pooling = mode != "session"
-        self.statement_pooling = mode == "statement"
-        if mode != "session":
-            self.tracker = SessionTracker(self.id, pinning=mode == "hybrid")
-        self._auth = ClientAuthExchange(
-            proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
-        )
-        self._reader = MessageReader(proxy.config.max_packet_size)
-        self.state = AUTH
-        rest = bytes(self._startup_buf)  # anything the client sent after its startup packet
-        self._startup_buf.clear()
-        self._auth_step(self._auth.start())
-        if rest:
-            self.data_received(rest)
-
-    def _auth_data(self, data: bytes) -> None:
-        reader = self._reader
-        assert reader is not None and self._auth is not None
-        reader.feed(data)
-        try:
-            while self.state is AUTH and (msg := reader.next_message()) is not None:
-                self._auth_step(self._auth.handle(*msg))
-        except ProtocolViolation as exc:
-            self.fatal(exc.sqlstate, str(exc))
-
-    def _auth_step(self, step: AuthStep) -> None:
-        if step.error is not None:
-            sqlstate, text = step.error
-            event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
-                  user=self.user, db=self.database, reason=text)  # fmt: skip
-            self.fatal(sqlstate, text)
-            return
-        if step.reply:
-            self.transport.write(step.reply)
-        if step.done:
-            self.state = LOGIN
-            self._auth = None
-            pool = self.pool
-            assert pool is not None
-            if pool.welcome is not None and not self._settings_to_check(pool.welcome):
-                self._complete_login(pool.welcome)  # the common case: no task, no await
-            else:
-                asyncio.get_running_loop().create_task(self._finish_login())
-
-    def _settings_to_check(self, welcome: dict[str, str]) -> dict[str, str]:
-        """Startup settings PostgreSQL reports back and may spell differently."""
-        return {
-            k: v
-            for k, v in self.params.items()
-            if k in welcome and k != "application_name" and v != welcome[k]
-        }
-
-    async def _finish_login(self) -> None:
-        """Login that needs the pool first: its first server, or a settings check."""
-        pool = self.pool
-        assert pool is not None
-        try:
-            await pool.ensure_welcome()
-            if self.state is not LOGIN:
-                return
-            assert pool.welcome is not None
-            to_check = self._settings_to_check(pool.welcome)
-            if to_check:
-                spelled = await pool.check_settings(to_check)
-                self.params = {**self.params, **spelled}
-        except Exception as exc:
-            if self.state is LOGIN:
-                sqlstate, text = connect_error(exc)
-                if isinstance(exc, ServerLoginError):
-                    text = str(exc)
-                self.fatal(sqlstate, text)
-            return
-        if self.state is LOGIN:
-            self._complete_login(pool.welcome)
-
-    def _complete_login(self, welcome: dict[str, str]) -> None:
-        pool = self.pool
-        assert pool is not None
-        pid, secret = self.proxy.register_cancel_key(self)
-        self.transport.write(
-            pool.login_greeting(self.params) + m.backend_key_data(pid, secret) + _READY_IDLE
-        )
-        self.state = READY
-        self.context = ClientContext(
-            self.id, self.database, self.user, self.application_name, self.proxy.worker_id
-        )
-        if logging_info():  # (the address costs a getpeername syscall)
-            event("client login", client=self.id, addr=self.addr, user=self.user,
-                  db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
-        assert self._reader is not None
-        early = self._reader.take_remaining()
-        self._reader = None
-        if early:
-            self._relay(early)
-
     def refuse_transaction_block(self) -> None:
         """Statement pooling: a transaction block was opened, which it cannot serve."""
         self.fatal(PROTOCOL_VIOLATION, "transaction blocks not allowed in statement pooling mode")
@@ -558,7 +234,7 @@ class ClientConnection(asyncio.Protocol):
                     # Parsed, synced, not executed: the Bind may come on another server.
                     to_messages = True
                 if texts is not None:
-                    texts.append(_SYNC_MARK)
+                    texts.append(SYNC_MARK)
                 if tracker is not None:
                     tracker.on_sync(self.ordinal + owed)
             elif kind == _Q:
@@ -597,7 +273,7 @@ class ClientConnection(asyncio.Protocol):
                 self._syncs_since_execute = 0
                 self._unsynced = False
                 if texts is not None:
-                    texts.append(_FUNCTION_CALL_MARK)
+                    texts.append(FUNCTION_CALL_MARK)
             elif kind == _X:
                 out = out[: end - 5]
                 terminate = True
@@ -630,19 +306,6 @@ class ClientConnection(asyncio.Protocol):
         if terminate:
             self._cleanup("client closed")
 
-    def _enter_message_mode(self) -> None:
-        """Read whole messages from now on, so statements can be rewritten."""
-        self._messages = MessageReader(self.proxy.config.max_packet_size)
-        statements = self.statements = ClientStatements()
-        statements.unnamed = self._unnamed_rest
-        self._unnamed_text = self._last_text
-        if self.server is not None and self._unnamed_rest is not None:
-            self.server.statements.unnamed_owner = statements
-
-    @property
-    def message_mode(self) -> bool:
-        return self._messages is not None
-
     def _forward(self, payload: bytes | list[tuple[int, bytes]], owed: int, size: int) -> None:
         """Send to our server, or queue and ask the pool for one."""
         if self.parked:
@@ -666,17 +329,6 @@ class ClientConnection(asyncio.Protocol):
             self.transport.pause_reading()
         if self.state is READY:
             self._get_server()
-
-    def _render(self, messages: list[tuple[int, bytes]], server: ServerConnection) -> bytes:
-        assert self.statements is not None
-        before = server.statements.parses_sent
-        try:
-            data = rewrite_statements(messages, self.statements, server.statements)
-        except ProtocolViolation as exc:
-            self.fatal(exc.sqlstate, str(exc))
-            return b""
-        self.stats.server_parse_count += server.statements.parses_sent - before
-        return data
 
     def _copy_ignored_syncs(self, texts: list[tuple[int, bytes]] | None) -> int:
         """PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent after the
@@ -706,114 +358,6 @@ class ClientConnection(asyncio.Protocol):
         inflight = self.inflight
         for code, text in texts:
             inflight.append((code, text, now))
-
-    def _start_rewriting(
-        self, out: bytes, parse_start: int, owed: int, texts: list[tuple[int, bytes]] | None
-    ) -> bool:
-        """The client named a prepared statement: switch to whole-message rewriting.
-
-        Everything before the Parse is forwarded as scanned; the Parse and what
-        follows is re-read as whole messages. Returns False (keep scanning) in the
-        rare case the Parse body was truncated by the scanner and cannot be located.
-        """
-        if parse_start < 0:
-            return False
-        head, tail = out[:parse_start], out[parse_start:] + self._scanner.detach()
-        self._enter_message_mode()
-        self.ordinal += owed
-        if texts:
-            self._note_inflight(texts)
-        if head:
-            self._forward(head, owed, len(head))
-        self._relay_messages(tail)
-        return True
-
-    def _relay_messages(self, data: bytes) -> None:
-        reader = self._messages
-        assert reader is not None
-        reader.feed(data)
-        try:
-            messages = reader.messages()
-        except ProtocolViolation as exc:
-            self.fatal(exc.sqlstate, str(exc))
-            return
-        if not messages:
-            return
-        owed = 0
-        terminate = False
-        size = 0
-        texts: list[tuple[int, bytes]] | None = [] if self.observed else None
-        tracker = self.tracker
-        self.last_active = monotonic()
-        try:
-            for index, (kind, body) in enumerate(messages):
-                if kind in _EXTENDED:
-                    self._unsynced = True
-                if kind == _SYNC:
-                    owed += 1
-                    self._syncs_since_execute += 1
-                    self._unsynced = False
-                    if texts is not None:
-                        texts.append(_SYNC_MARK)
-                    if tracker is not None:
-                        tracker.on_sync(self.ordinal + owed)
-                elif kind in (_Q, _F):
-                    owed += 1
-                    self._syncs_since_execute = 0
-                    self._unnamed_open = False
-                    if texts is not None:
-                        texts.append((REC_QUERY, body) if kind == _Q else _FUNCTION_CALL_MARK)
-                    if tracker is not None and kind == _Q:
-                        tracker.on_query(body, self.ordinal + owed)
-                elif kind == _EXECUTE:
-                    self._syncs_since_execute = 0
-                    self._unnamed_open = False
-                    if texts is not None:
-                        texts.append((REC_EXECUTE, self._last_text))
-                elif kind == _PARSE:
-                    text = parse_text(body)
-                    if body[:1] == b"\x00":
-                        self._unnamed_open = True
-                        self._unnamed_text = text
-                        if tracker is not None:
-                            # Named statements run their text at each Execute; protocol-level
-                            # prepares are tracked by scry itself and never pin.
-                            tracker.on_parse(text)
-                    else:  # SHOW STATS counts named statements only, as PgBouncer
-                        self.stats.client_parse_count += 1
-                        if texts is not None:
-                            self._named_texts[body[: body.index(b"\x00")]] = text
-                elif kind == _BIND:
-                    if body[body.index(b"\x00") + 1] != 0:  # a named statement
-                        self.stats.bind_count += 1
-                    if texts is not None:
-                        self._last_text = self._bound_text(body)
-                elif kind == _X:
-                    del messages[index:]
-                    terminate = True
-                    self.stats.received -= 5  # PgBouncer does not count the Terminate
-                    break
-                elif kind in (_COPY_DONE, _COPY_FAIL):
-                    owed -= self._copy_ignored_syncs(texts)
-                size += len(body) + 5
-        except (ValueError, IndexError):  # a body cut short of its fields
-            self.fatal(PROTOCOL_VIOLATION, "malformed extended-protocol message")
-            return
-        self.ordinal += owed
-        if texts:
-            self._note_inflight(texts)
-        if messages:
-            self._forward(messages, owed, size)
-        if terminate:
-            self._cleanup("client closed")
-
-    def _bound_text(self, bind_body: bytes) -> bytes:
-        """The statement text behind a Bind (the last Parse's, for the unnamed statement)."""
-        portal_end = bind_body.index(b"\x00")
-        name = bind_body[portal_end + 1 : bind_body.index(b"\x00", portal_end + 1)]
-        if name:
-            return self._named_texts.get(name, b"")
-        return self._unnamed_text
 
     def _at_boundary(self) -> bool:
         """Between whole batches: no partial message and no extended batch left unsynced."""

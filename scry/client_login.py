@@ -1,0 +1,351 @@
+"""A client's way in: startup packet, TLS, authentication, the login greeting.
+
+``ClientLogin`` is the first half of :class:`scry.client.ClientConnection`
+(a mixin, so the connection stays one object and one ``asyncio.Protocol``):
+
+    startup (SSLRequest/GSSENCRequest/CancelRequest/StartupMessage, direct TLS)
+      -> auth (trust, md5, SCRAM, certificate)
+      -> login (the pool's first server, settings spelled as PostgreSQL does)
+      -> ready: the greeting is sent and :mod:`scry.client`'s relay takes over.
+
+It reads and sets the connection's fields (``state``, ``user``, ``params``,
+``pool``, ``tracker`` ...) and calls its ``fatal``, ``_cleanup`` and ``_relay``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import asyncio.sslproto
+import logging
+import ssl
+
+from scry.hybrid import SessionTracker
+from scry.log import event, logging_info
+from scry.observe.record import ClientContext
+from scry.pool import connect_error
+from scry.protocol import messages as m
+from scry.protocol import startup as st
+from scry.protocol.auth import AuthStep, ClientAuthExchange
+from scry.protocol.errors import (
+    ADMIN_SHUTDOWN,
+    FEATURE_NOT_SUPPORTED,
+    INVALID_AUTHORIZATION,
+    PROTOCOL_VIOLATION,
+    TOO_MANY_CONNECTIONS,
+    ProtocolViolation,
+)
+from scry.protocol.framing import MessageReader
+from scry.server import ServerLoginError
+from scry.tls import peer_common_name
+
+STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
+
+# GUC names are case-insensitive; ParameterStatus uses these spellings.
+_CANONICAL = {"datestyle": "DateStyle", "intervalstyle": "IntervalStyle", "timezone": "TimeZone"}
+# Startup keys that are not settings.
+_NOT_SETTINGS = frozenset({"user", "database", "options", "replication"})
+
+_READY_IDLE = m.ready_for_query()
+
+
+def canonical_name(name: str) -> str:
+    lower = name.lower()
+    return _CANONICAL.get(lower, lower)
+
+
+def parse_options(options: str) -> dict[str, str]:
+    """Settings from a startup ``options`` string (``-c name=value`` / ``--name=value``)."""
+    tokens: list[str] = []
+    current = []
+    escaped = False
+    for ch in options:
+        if escaped:
+            current.append(ch)
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch.isspace():
+            if current:
+                tokens.append("".join(current))
+                current = []
+        else:
+            current.append(ch)
+    if current:
+        tokens.append("".join(current))
+    settings: dict[str, str] = {}
+    it = iter(tokens)
+    for token in it:
+        if token == "-c":
+            token = next(it, "")
+        elif token.startswith("-c") or token.startswith("--"):
+            token = token[2:]
+        else:
+            raise ProtocolViolation(f"unsupported startup option {token!r}", FEATURE_NOT_SUPPORTED)
+        name, sep, value = token.partition("=")
+        if not sep or not name:
+            raise ProtocolViolation(f"invalid startup option {token!r}", FEATURE_NOT_SUPPORTED)
+        settings[canonical_name(name.replace("-", "_"))] = value
+    return settings
+
+
+def _valid_setting_name(name: str) -> bool:
+    return name.replace("_", "a").replace(".", "a").isalnum()
+
+
+class ClientLogin:
+    """Startup, TLS and authentication of a :class:`~scry.client.ClientConnection`."""
+
+    def _startup_data(self, data: bytes) -> None:
+        buf = self._startup_buf
+        if not buf and not self.tls and data[:1] == b"\x16":
+            # A TLS ClientHello with no SSLRequest first: PostgreSQL 17's direct
+            # TLS negotiation (sslnegotiation=direct, ALPN "postgresql").
+            self._direct_tls(data)
+            return
+        buf += data
+        while self.state is STARTUP:
+            try:
+                parsed = st.read_startup_packet(buf)
+            except ProtocolViolation as exc:
+                self.fatal(exc.sqlstate, str(exc))
+                return
+            if parsed is None:
+                return
+            packet, used = parsed
+            del buf[:used]
+            if isinstance(packet, st.SSLRequest):
+                context = self.proxy.client_tls.context
+                if context is None or self.tls:
+                    self.transport.write(b"N")
+                else:
+                    self._upgrade_to_tls(context)
+                    return
+            elif isinstance(packet, st.GSSENCRequest):
+                self.transport.write(b"N")  # no GSSAPI encryption; the client may go on
+            elif isinstance(packet, st.CancelRequest):
+                self.proxy.handle_cancel(packet.pid, packet.secret)
+                self._cleanup("cancel request", quiet=True)
+                return
+            else:
+                self._begin_login(packet)
+
+    def _direct_tls(self, hello: bytes) -> None:
+        context = self.proxy.client_tls.context
+        if context is None:
+            event("direct TLS from a client, but client TLS is disabled", logging.WARNING,
+                  client=self.id, addr=self.addr)  # fmt: skip
+            self._cleanup("direct TLS without client_tls", quiet=True)
+            return
+        # The ClientHello is already read, so asyncio's start_tls cannot be used:
+        # put an SSL protocol between the transport and us by hand and hand it
+        # the bytes we took (asyncio's SSLProtocol works on memory BIOs).
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        tls = asyncio.sslproto.SSLProtocol(
+            loop, self, context, waiter, server_side=True, call_connection_made=False,
+            ssl_handshake_timeout=30,
+        )  # fmt: skip
+        raw = self.transport
+        raw.set_protocol(tls)
+        tls.connection_made(raw)
+        self.transport = tls._app_transport  # type: ignore[assignment]
+        self.tls = True
+        loop.create_task(self._direct_tls_done(waiter))
+        view = memoryview(hello)
+        while view:  # SSLProtocol is a BufferedProtocol: copy into its buffer
+            buffer = tls.get_buffer(len(view))
+            n = min(len(buffer), len(view))
+            buffer[:n] = view[:n]
+            tls.buffer_updated(n)
+            view = view[n:]
+
+    async def _direct_tls_done(self, waiter: asyncio.Future[None]) -> None:
+        try:
+            await waiter
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+            event("client TLS handshake failed", logging.WARNING, client=self.id,
+                  error=str(exc) or type(exc).__name__)  # fmt: skip
+            if self.state is not CLOSED:
+                self._cleanup("TLS handshake failed", quiet=True)
+            return
+        selected = self.transport.get_extra_info("ssl_object")
+        if selected is not None and selected.selected_alpn_protocol() != "postgresql":
+            # PostgreSQL requires the ALPN for direct TLS; so do we.
+            self.fatal(PROTOCOL_VIOLATION, "direct TLS requires ALPN protocol postgresql")
+
+    def _upgrade_to_tls(self, context: ssl.SSLContext) -> None:
+        # Nothing may be read between our 'S' and the handshake taking over.
+        self.transport.pause_reading()
+        self.transport.write(b"S")
+        asyncio.get_running_loop().create_task(self._tls_handshake(context))
+
+    async def _tls_handshake(self, context: ssl.SSLContext) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            transport = await loop.start_tls(
+                self.transport, self, context, server_side=True, ssl_handshake_timeout=30
+            )
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+            event("client TLS handshake failed", logging.WARNING, client=self.id,
+                  addr=self.addr, error=str(exc) or type(exc).__name__)  # fmt: skip
+            self._cleanup("TLS handshake failed", quiet=True)
+            self.transport.abort()
+            return
+        if transport is None or self.state is CLOSED:
+            return
+        self.transport = transport  # type: ignore[assignment]
+        self.tls = True
+        if self._startup_buf:
+            self._startup_data(b"")
+
+    def _begin_login(self, packet: st.StartupMessage) -> None:
+        proxy = self.proxy
+        params = packet.params
+        self.user = packet.user
+        self.database = packet.database
+        if proxy.client_tls.required and not self.tls:
+            self.fatal(INVALID_AUTHORIZATION, "SSL required",
+                       detail=f"tls.client_tls_sslmode is {proxy.client_tls.mode}")  # fmt: skip
+            return
+        if proxy.auth.method == "cert" or proxy.client_tls.mode == "verify-full":
+            common_name = peer_common_name(self.transport) if self.tls else None
+            if common_name != self.user:
+                event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
+                      user=self.user, reason="certificate CN does not match")  # fmt: skip
+                self.fatal(
+                    INVALID_AUTHORIZATION,
+                    f'certificate authentication failed for user "{self.user}"',
+                )
+                return
+        if "replication" in params and params["replication"] not in ("false", "off", "0"):
+            self.fatal(FEATURE_NOT_SUPPORTED, "replication connections are not supported by scry")
+            return
+        if proxy.draining:
+            self.fatal(ADMIN_SHUTDOWN, "scry is shutting down")
+            return
+        if proxy.client_count > proxy.config.pool.max_client_conn:
+            self.fatal(TOO_MANY_CONNECTIONS, "no more connections allowed (max_client_conn)")
+            return
+        if proxy.config.pgbouncer is not None:  # PgBouncer mode: console, DISABLE, '*', [users]
+            from scry.pgbouncer.console import route_login
+
+            if route_login(self, packet):
+                return
+        target = proxy.targets.get(self.database)
+        if target is None:
+            self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")
+            return
+        try:
+            settings = {}
+            for key, value in params.items():
+                if key in _NOT_SETTINGS:
+                    continue
+                name = canonical_name(key)
+                if not _valid_setting_name(name):
+                    raise ProtocolViolation(f"unsupported startup parameter: {key}")
+                settings[name] = value
+            if params.get("options"):
+                settings.update(parse_options(params["options"]))
+        except ProtocolViolation as exc:
+            self.fatal(exc.sqlstate, str(exc))
+            return
+        self.params = settings
+        self.application_name = settings.get("application_name", "")
+        server_user, server_password = proxy.auth.server_credentials(target, self.user)
+        self.pool = proxy.pool_for(target, server_user, server_password)
+        self.stats = self.pool.stats
+        mode = self.pool.mode
+        self.transaction_pooling = mode != "session"
+        self.statement_pooling = mode == "statement"
+        if mode != "session":
+            self.tracker = SessionTracker(self.id, pinning=mode == "hybrid")
+        self._auth = ClientAuthExchange(
+            proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
+        )
+        self._reader = MessageReader(proxy.config.max_packet_size)
+        self.state = AUTH
+        rest = bytes(self._startup_buf)  # anything the client sent after its startup packet
+        self._startup_buf.clear()
+        self._auth_step(self._auth.start())
+        if rest:
+            self.data_received(rest)
+
+    def _auth_data(self, data: bytes) -> None:
+        reader = self._reader
+        assert reader is not None and self._auth is not None
+        reader.feed(data)
+        try:
+            while self.state is AUTH and (msg := reader.next_message()) is not None:
+                self._auth_step(self._auth.handle(*msg))
+        except ProtocolViolation as exc:
+            self.fatal(exc.sqlstate, str(exc))
+
+    def _auth_step(self, step: AuthStep) -> None:
+        if step.error is not None:
+            sqlstate, text = step.error
+            event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
+                  user=self.user, db=self.database, reason=text)  # fmt: skip
+            self.fatal(sqlstate, text)
+            return
+        if step.reply:
+            self.transport.write(step.reply)
+        if step.done:
+            self.state = LOGIN
+            self._auth = None
+            pool = self.pool
+            assert pool is not None
+            if pool.welcome is not None and not self._settings_to_check(pool.welcome):
+                self._complete_login(pool.welcome)  # the common case: no task, no await
+            else:
+                asyncio.get_running_loop().create_task(self._finish_login())
+
+    def _settings_to_check(self, welcome: dict[str, str]) -> dict[str, str]:
+        """Startup settings PostgreSQL reports back and may spell differently."""
+        return {
+            k: v
+            for k, v in self.params.items()
+            if k in welcome and k != "application_name" and v != welcome[k]
+        }
+
+    async def _finish_login(self) -> None:
+        """Login that needs the pool first: its first server, or a settings check."""
+        pool = self.pool
+        assert pool is not None
+        try:
+            await pool.ensure_welcome()
+            if self.state is not LOGIN:
+                return
+            assert pool.welcome is not None
+            to_check = self._settings_to_check(pool.welcome)
+            if to_check:
+                spelled = await pool.check_settings(to_check)
+                self.params = {**self.params, **spelled}
+        except Exception as exc:
+            if self.state is LOGIN:
+                sqlstate, text = connect_error(exc)
+                if isinstance(exc, ServerLoginError):
+                    text = str(exc)
+                self.fatal(sqlstate, text)
+            return
+        if self.state is LOGIN:
+            self._complete_login(pool.welcome)
+
+    def _complete_login(self, welcome: dict[str, str]) -> None:
+        pool = self.pool
+        assert pool is not None
+        pid, secret = self.proxy.register_cancel_key(self)
+        self.transport.write(
+            pool.login_greeting(self.params) + m.backend_key_data(pid, secret) + _READY_IDLE
+        )
+        self.state = READY
+        self.context = ClientContext(
+            self.id, self.database, self.user, self.application_name, self.proxy.worker_id
+        )
+        if logging_info():  # (the address costs a getpeername syscall)
+            event("client login", client=self.id, addr=self.addr, user=self.user,
+                  db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
+        assert self._reader is not None
+        early = self._reader.take_remaining()
+        self._reader = None
+        if early:
+            self._relay(early)
