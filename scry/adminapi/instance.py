@@ -123,10 +123,10 @@ class Instance:
         )
         gathered = Gathered()
         for worker, result in zip(workers, results, strict=True):
-            if isinstance(result, ApiError):
-                gathered.errors[worker] = result
-            elif isinstance(result, TimeoutError):
+            if isinstance(result, TimeoutError) or getattr(result, "code", "") == "expired":
                 gathered.missing[worker] = f"timeout ({limit:g} s)"
+            elif isinstance(result, ApiError):
+                gathered.errors[worker] = result
             elif isinstance(result, OSError):
                 gathered.missing[worker] = f"unreachable: {result.strerror or result}"
             elif isinstance(result, ValueError | KeyError):
