@@ -1,15 +1,18 @@
 """Per-query events: the ring buffer, the live tail, and the batch format.
 
-An event is a tuple in ``EVENT_FIELDS`` order (a dict only for tail
-subscribers and readers). The pipeline pushes events into an ``EventRing``
-(bounded; when full the OLDEST event is dropped and counted) and the shipper
-in ``scry.observe.sinks`` takes them out in batches.
+An event has the fields of ``EVENT_FIELDS``. The pipeline builds them a
+drained chunk at a time as an ``EventBlock`` (one list per field: built and
+encoded with whole-column operations, no tuple per event), pushes the block
+into an ``EventRing`` (bounded; when full the OLDEST events are dropped and
+counted), and the shipper in ``scry.observe.sinks`` takes them out in
+batches. Tail subscribers and readers get each event as a dict; tuples in
+``EVENT_FIELDS`` order are accepted wherever events are.
 
 Batch format
 ------------
-A batch is one FlexBuffers map (``flatbuffers.flexbuffers``), columnar so
-that encoding costs a handful of FlexBuffers values per batch instead of one
-map per event (the pure-Python encoder spends ~100 µs on a 16-field map)::
+A batch is one FlexBuffers map, columnar so that encoding costs a handful of
+FlexBuffers values per batch instead of one map per event (laid out by
+``_batch_map``; read back with ``flatbuffers.flexbuffers``)::
 
     {"v": 1, "n": <events>, "layout": "ts:d worker:i client_id:S ...",
      "strings": <blob: UTF-8 strings joined by NUL>,
@@ -36,7 +39,8 @@ import struct
 import sys
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import IO, Any
 
@@ -77,44 +81,135 @@ def event_dict(event: tuple[Any, ...]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- #
-# Ring buffer
+# Event blocks and the ring buffer
 # --------------------------------------------------------------------------- #
 
 
-class EventRing:
-    """Bounded FIFO of events that drops the oldest when full, counting drops."""
+class EventBlock:
+    """Events column by column (``EVENT_FIELDS`` order), in record order.
 
-    __slots__ = ("capacity", "_events", "pushed", "dropped")
+    The pipeline builds one block per drained chunk with whole-column
+    operations (``map``, ``zip``), the ring keeps blocks, and the encoder
+    turns columns straight into arrays: no event ever needs a tuple of its
+    own unless a live-tail subscriber asks for rows. A column is any
+    sequence (list or tuple) of ``n`` values.
+    """
+
+    __slots__ = ("columns", "n")
+
+    def __init__(self, columns: Sequence[Sequence[Any]], n: int) -> None:
+        self.columns = columns
+        self.n = n
+
+    @classmethod
+    def of_events(cls, events: Sequence[tuple[Any, ...]]) -> EventBlock:
+        """A block of event tuples."""
+        return cls(list(zip(*events, strict=True)), len(events))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        """The events as tuples."""
+        if not self.n:
+            return []
+        return list(zip(*self.columns, strict=True))
+
+    def slice(self, start: int, stop: int) -> EventBlock:
+        """Events ``start`` to ``stop`` (clamped to the block)."""
+        start, stop = max(0, start), min(stop, self.n)
+        if start == 0 and stop == self.n:
+            return self
+        return EventBlock([c[start:stop] for c in self.columns], max(0, stop - start))
+
+    @classmethod
+    def concat(cls, blocks: Sequence[EventBlock]) -> EventBlock:
+        """One block holding the events of ``blocks`` in order."""
+        blocks = [b for b in blocks if b.n]
+        if len(blocks) == 1:
+            return blocks[0]
+        if not blocks:
+            return cls([], 0)
+        columns = [
+            list(chain.from_iterable(parts))
+            for parts in zip(*(b.columns for b in blocks), strict=True)
+        ]
+        return cls(columns, sum(b.n for b in blocks))
+
+
+class EventRing:
+    """Bounded FIFO of events that drops the oldest when full, counting drops.
+
+    Holds ``EventBlock``s (a drain's worth each); ``len`` counts events.
+    """
+
+    __slots__ = ("capacity", "_blocks", "_head", "_len", "pushed", "dropped")
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
-        self._events: deque[tuple[Any, ...]] = deque(maxlen=capacity)
+        self._blocks: deque[EventBlock] = deque()
+        self._head = 0  # events of _blocks[0] already taken or dropped
+        self._len = 0
         self.pushed = 0
         self.dropped = 0
 
     def __len__(self) -> int:
-        return len(self._events)
+        return self._len
 
     def push(self, event: tuple[Any, ...]) -> None:
         """Append an event; the oldest is dropped (and counted) when full."""
-        if len(self._events) == self.capacity:
-            self.dropped += 1
-        self._events.append(event)
-        self.pushed += 1
+        self.extend(EventBlock.of_events([event]))
 
-    def extend(self, events: list[tuple[Any, ...]]) -> None:
-        """``push`` each of ``events``, in order."""
-        over = len(self._events) + len(events) - self.capacity
+    def extend(self, events: EventBlock | Sequence[tuple[Any, ...]]) -> None:
+        """Append events (a block, or event tuples) in order; drop the oldest
+        beyond ``capacity``, counted."""
+        block = events if isinstance(events, EventBlock) else EventBlock.of_events(events)
+        if not block.n:
+            return
+        self._blocks.append(block)
+        self._len += block.n
+        self.pushed += block.n
+        over = self._len - self.capacity
         if over > 0:
             self.dropped += over
-        self._events.extend(events)
-        self.pushed += len(events)
+            self._discard(over)
+
+    def _discard(self, count: int) -> None:
+        blocks = self._blocks
+        self._len -= count
+        while count:
+            left = blocks[0].n - self._head
+            if left <= count:
+                blocks.popleft()
+                self._head = 0
+                count -= left
+            else:
+                self._head += count
+                count = 0
+
+    def take_block(self, limit: int) -> EventBlock:
+        """Remove and return up to ``limit`` of the oldest events, as one block."""
+        blocks = self._blocks
+        parts = []
+        need = min(limit, self._len)
+        self._len -= need
+        while need:
+            block, head = blocks[0], self._head
+            left = block.n - head
+            if left <= need:
+                parts.append(block.slice(head, block.n))
+                blocks.popleft()
+                self._head = 0
+                need -= left
+            else:
+                parts.append(block.slice(head, head + need))
+                self._head = head + need
+                need = 0
+        return EventBlock.concat(parts)
 
     def take(self, limit: int) -> list[tuple[Any, ...]]:
-        """Remove and return up to ``limit`` of the oldest events."""
-        events = self._events
-        n = min(limit, len(events))
-        return [events.popleft() for _ in range(n)]
+        """Remove and return up to ``limit`` of the oldest events, as tuples."""
+        return self.take_block(limit).rows()
 
 
 # --------------------------------------------------------------------------- #
@@ -224,33 +319,138 @@ def make_predicate(
 # --------------------------------------------------------------------------- #
 
 
-def encode_batch(events: list[tuple[Any, ...]], compression: str = "gzip") -> tuple[bytes, int]:
-    """(payload, flags) for a batch of event tuples."""
+def encode_batch(
+    events: EventBlock | Sequence[tuple[Any, ...]], compression: str = "gzip"
+) -> tuple[bytes, int]:
+    """(payload, flags) for a batch of events (a block, or event tuples)."""
+    block = events if isinstance(events, EventBlock) else EventBlock.of_events(events)
+    n = block.n
     strings: dict[str, int] = {"": 0}
     columns = bytearray()
-    for code, values in zip(_CODES, zip(*events, strict=True), strict=True):
-        if code in "SL":
-            if code == "L":
-                values = tuple(",".join(v) if v else "" for v in values)
-            data = array("I", [strings.setdefault(v, len(strings)) for v in values])
+    for code, values in zip(_CODES, block.columns or [()] * len(_CODES), strict=True):
+        if code == "S":
+            data = _indexes(strings, values, n)
+        elif code == "L":
+            if not any(values):
+                data = array("I", bytes(4 * n))  # no pins: all ""
+            else:
+                data = _indexes(strings, [",".join(v) if v else "" for v in values], n)
         elif code == "s":
-            data = array(
-                "i", [-1 if v is None else strings.setdefault(v, len(strings)) for v in values]
-            )
+            if values.count(None) == n:
+                data = array("i", [-1]) * n
+            else:
+                data = array(
+                    "i", [-1 if v is None else strings.setdefault(v, len(strings)) for v in values]
+                )
         else:
             data = array(_ARRAY_TYPE[code], values)
         if sys.byteorder == "big":
             data.byteswap()
-        columns += data.tobytes()
+        columns += data
     table = "\0".join(strings).encode("utf-8", "surrogatepass")
-    payload = bytes(
-        flexbuffers.Dumps(
-            {"v": 1, "n": len(events), "layout": LAYOUT, "strings": table, "columns": columns}
-        )
-    )
+    payload = _batch_map(n, table, columns)
     if compression == "gzip":
         return gzip.compress(payload, compresslevel=1), FLAG_GZIP
     return payload, 0
+
+
+def _indexes(strings: dict[str, int], values: Sequence[str], n: int) -> array[int]:
+    """The string-table index of each value, adding new strings as they come."""
+    if n and values.count(values[0]) == n:  # one value throughout (database, user...)
+        return array("I", [strings.setdefault(values[0], len(strings))]) * n
+    return array("I", [strings.setdefault(v, len(strings)) for v in values])
+
+
+# The batch map, written directly. The FlexBuffers encoder of the flatbuffers
+# package builds it in ~60 µs (hundreds of Python calls), more than encoding
+# 100 events; the map's shape never changes, so it is laid out here with
+# 32-bit widths throughout, and the tests read it back with
+# ``flexbuffers.Loads`` against what ``flexbuffers.Dumps`` makes of the same
+# batch. Layout: the keys (sorted), the layout string, the strings and columns
+# blobs, the keys vector, the map (keys offset, keys width, size, 5 values,
+# 5 types), the root (offset, type, width). Offsets point backwards from
+# where they are stored; every length prefix is 4-aligned.
+_KEYS = (b"columns", b"layout", b"n", b"strings", b"v")
+_U32 = struct.Struct("<I")
+_TYPE_INT, _TYPE_STRING, _TYPE_MAP, _TYPE_BLOB = 1, 5, 9, 25
+_W32 = 2  # FlexBuffers bit-width code of 4 bytes
+_MAP_TYPES = bytes(
+    (t << 2) | _W32 for t in (_TYPE_BLOB, _TYPE_STRING, _TYPE_INT, _TYPE_BLOB, _TYPE_INT)
+)
+_ROOT_TRAILER = bytes(((_TYPE_MAP << 2) | _W32, 4))
+
+
+def _pad4(size: int) -> bytes:
+    return bytes(-size % 4)
+
+
+def _prefix() -> tuple[bytes, tuple[int, ...], int]:
+    out = bytearray()
+    key_positions = []
+    for key in _KEYS:
+        key_positions.append(len(out))
+        out += key + b"\0"
+    out += _pad4(len(out))
+    layout = LAYOUT.encode("ascii")
+    out += _U32.pack(len(layout))
+    layout_at = len(out)
+    out += layout + b"\0"
+    out += _pad4(len(out))
+    return bytes(out), tuple(key_positions), layout_at
+
+
+_PREFIX, _KEY_POSITIONS, _LAYOUT_AT = _prefix()
+
+
+def _batch_map(n: int, strings: bytes, columns: bytes | bytearray) -> bytes:
+    """``flexbuffers.Dumps({"v": 1, "n": n, "layout": LAYOUT, "strings":
+    strings, "columns": columns})``, equivalent (not byte-identical)."""
+    pos = len(_PREFIX)
+    strings_at = pos + 4
+    pos = strings_at + len(strings)
+    strings_pad = _pad4(pos)
+    pos += len(strings_pad)
+    columns_at = pos + 4
+    pos = columns_at + len(columns)
+    columns_pad = _pad4(pos)
+    pos += len(columns_pad)
+    keys_at = pos + 4
+    keys = struct.pack(
+        "<6I", len(_KEYS), *(keys_at + 4 * i - at for i, at in enumerate(_KEY_POSITIONS))
+    )
+    field = keys_at + 4 * len(_KEYS)  # the map's keys-offset field
+    values_at = field + 12
+    the_map = struct.pack(
+        "<8I",
+        field - keys_at,
+        4,
+        len(_KEYS),
+        values_at - columns_at,
+        values_at + 4 - _LAYOUT_AT,
+        n,
+        values_at + 12 - strings_at,
+        1,
+    )
+    pos = values_at + 4 * len(_KEYS) + len(_MAP_TYPES)
+    types_pad = _pad4(pos)
+    pos += len(types_pad)
+    return b"".join(
+        (
+            _PREFIX,
+            _U32.pack(len(strings)),
+            strings,
+            strings_pad,
+            _U32.pack(len(columns)),
+            columns,
+            columns_pad,
+            keys,
+            the_map,
+            _MAP_TYPES,
+            types_pad,
+            _U32.pack(pos - values_at),
+            _ROOT_TRAILER,
+        )
+    )
 
 
 def frame(payload: bytes, flags: int) -> bytes:

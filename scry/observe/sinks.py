@@ -29,7 +29,9 @@ from scry.observe.events import FLAG_GZIP, EventRing, encode_batch, frame
 
 
 class Sink(Protocol):
-    """Receives encoded batches."""
+    """Receives encoded batches. A sink may also offer ``write_many(batches)``
+    (a list of ``(payload, flags, count)``, returning one bool each): the
+    shipper then hands it every batch that is ready in one call."""
 
     async def write(self, payload: bytes, flags: int, count: int) -> bool:
         """Deliver one batch; False when it was given up on."""
@@ -64,7 +66,19 @@ class FileSink:
         await asyncio.to_thread(self._write, frame(payload, flags))
         return True
 
-    def _write(self, data: bytes) -> None:
+    async def write_many(self, batches: list[tuple[bytes, int, int]]) -> list[bool]:
+        """Several batches in one trip to the I/O thread (one ``write``
+        each, so rotation still cuts between whole frames)."""
+        frames = [frame(payload, flags) for payload, flags, _ in batches]
+        await asyncio.to_thread(self._write_frames, frames)
+        return [True] * len(frames)
+
+    def _write_frames(self, frames: list[bytes]) -> None:
+        for data in frames:
+            self._write(data, flush=False)
+        self._file.flush()
+
+    def _write(self, data: bytes, flush: bool = True) -> None:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab")  # noqa: SIM115 - kept open across batches
@@ -72,7 +86,8 @@ class FileSink:
         if self._size and self._size + len(data) > self.max_bytes:
             self._rotate()
         self._file.write(data)
-        self._file.flush()
+        if flush:
+            self._file.flush()
         self._size += len(data)
 
     def _rotate(self) -> None:
@@ -155,6 +170,11 @@ def make_sink(events_config: Any) -> Sink:
     return NullSink()
 
 
+#: Batches encoded and handed to a sink per trip (a sink with ``write_many``
+#: takes them in one call: one thread hop and one flush for the file sink).
+MAX_BATCHES_PER_WRITE = 16
+
+
 class EventShipper:
     """The background task that drains the ring into a sink in batches."""
 
@@ -208,33 +228,66 @@ class EventShipper:
 
     async def _run(self) -> None:
         while True:
+            timed_out = False
             if len(self.ring) < self.batch_size and not self._stopping:
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
+                try:
                     await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-            while self.ring:
-                await self.flush_once()
-                if len(self.ring) < self.batch_size and not self._stopping:
-                    break
+                except TimeoutError:
+                    timed_out = True
+            # Full batches; after the interval (or when stopping) the rest too.
+            partial = timed_out or self._stopping
+            while len(self.ring) >= self.batch_size or (partial and self.ring):
+                await self._ship(partial)
+                partial = partial or self._stopping
             if self._stopping and not self.ring:
                 return
 
     async def flush_once(self) -> int:
         """Ship one batch now; returns how many events it held."""
-        batch = self.ring.take(self.batch_size)
-        if not batch:
+        return await self._ship(True, max_batches=1)
+
+    async def _ship(self, partial: bool, max_batches: int = MAX_BATCHES_PER_WRITE) -> int:
+        """Encode up to ``max_batches`` batches of ``batch_size`` events (the
+        last one short only if ``partial``) and deliver them, in one write
+        when the sink takes several; returns how many events they held."""
+        batches: list[tuple[bytes, int, int]] = []
+        encoding: list[float] = []
+        while len(batches) < max_batches and (
+            len(self.ring) >= self.batch_size or (partial and self.ring)
+        ):
+            started = time.perf_counter()
+            block = self.ring.take_block(self.batch_size)
+            payload, flags = encode_batch(block, self.compression)
+            batches.append((payload, flags, len(block)))
+            encoding.append(time.perf_counter() - started)
+            if len(batches) % 4 == 0:
+                await asyncio.sleep(0)  # let queries through between encodings
+        if not batches:
             return 0
-        started = time.perf_counter()
-        payload, flags = encode_batch(batch, self.compression)
-        try:
-            ok = await self.sink.write(payload, flags, len(batch))
-        except Exception:  # a broken sink must not kill the pipeline
-            ok = False
-        self.batches += 1
-        if ok:
-            self.shipped += len(batch)
+        write_many = getattr(self.sink, "write_many", None)
+        if write_many is not None and len(batches) > 1:
+            started = time.perf_counter()
+            try:
+                oks = list(await write_many(batches))
+            except Exception:  # a broken sink must not kill the pipeline
+                oks = [False] * len(batches)
+            took = [time.perf_counter() - started] * len(batches)
         else:
-            self.lost += len(batch)
-        if self._on_flush is not None:
-            self._on_flush(len(batch), time.perf_counter() - started, ok)
-        return len(batch)
+            oks, took = [], []
+            for batch in batches:
+                started = time.perf_counter()
+                try:
+                    oks.append(await self.sink.write(*batch))
+                except Exception:
+                    oks.append(False)
+                took.append(time.perf_counter() - started)
+        for (_, _, count), ok, encoded, delivered in zip(batches, oks, encoding, took, strict=True):
+            self.batches += 1
+            if ok:
+                self.shipped += count
+            else:
+                self.lost += count
+            if self._on_flush is not None:
+                self._on_flush(count, encoded + delivered, ok)
+        return sum(count for _, _, count in batches)

@@ -9,11 +9,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from flatbuffers import flexbuffers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scry.observe.events import (
     EVENT_FIELDS,
+    LAYOUT,
+    EventBlock,
     EventRing,
     Subscription,
+    _batch_map,
     decode_batch,
     encode_batch,
     event_dict,
@@ -238,3 +244,94 @@ def test_predicate_specs() -> None:
     assert slow(event_dict(_event(50)))  # error and 201 µs
     with pytest.raises(ValueError):
         make_predicate({"nope": 1})
+
+
+# --------------------------------------------------------------------------- #
+# Blocks, the block ring, the hand-laid batch map, batched writes
+# --------------------------------------------------------------------------- #
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=2**31 - 1),
+    strings=st.binary(max_size=3_000),
+    columns=st.one_of(st.binary(max_size=3_000), st.just(b"\x07" * 70_000)),
+)
+def test_batch_map_reads_back_like_the_library_encoder(
+    n: int, strings: bytes, columns: bytes
+) -> None:
+    """The batch map scry lays out itself reads back, with the flatbuffers
+    package's own reader, exactly like what its encoder makes of the same map."""
+    mine = flexbuffers.Loads(_batch_map(n, strings, columns))
+    library = flexbuffers.Loads(
+        bytes(
+            flexbuffers.Dumps(
+                {"v": 1, "n": n, "layout": LAYOUT, "strings": strings, "columns": columns}
+            )
+        )
+    )
+    assert mine == library
+    assert bytes(mine["strings"]) == strings and bytes(mine["columns"]) == columns
+
+
+def test_block_and_tuple_batches_encode_the_same() -> None:
+    events = [_event(i) for i in range(30)]
+    block = EventBlock.of_events(events)
+    assert block.rows() == events and len(block) == 30
+    for compression in ("gzip", "none"):
+        from_block = decode_batch(*encode_batch(block, compression))
+        assert from_block == decode_batch(*encode_batch(events, compression))
+        assert from_block == [event_dict(e) for e in events]
+    assert decode_batch(*encode_batch([], "none")) == []
+
+
+def test_block_ring_drops_and_takes_across_blocks() -> None:
+    ring = EventRing(7)
+    ring.extend(EventBlock.of_events([(i,) for i in range(4)]))
+    ring.extend([(i,) for i in range(4, 6)])
+    ring.push((6,))
+    assert len(ring) == 7 and ring.dropped == 0
+    ring.extend(EventBlock.of_events([(i,) for i in range(7, 12)]))  # drops 0..4
+    assert ring.pushed == 12 and ring.dropped == 5 and len(ring) == 7
+    first = ring.take_block(3)
+    assert first.rows() == [(5,), (6,), (7,)] and len(ring) == 4
+    assert ring.take(10) == [(8,), (9,), (10,), (11,)]
+    assert len(ring) == 0 and ring.take_block(5).rows() == []
+    ring.extend(EventBlock.of_events([(i,) for i in range(20)]))  # one block over capacity
+    assert ring.take(100) == [(i,) for i in range(13, 20)] and ring.dropped == 18
+
+
+class CountingFileSink(FileSink):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.calls: list[int] = []
+
+    async def write_many(self, batches: list[tuple[bytes, int, int]]) -> list[bool]:
+        self.calls.append(len(batches))
+        return await super().write_many(batches)
+
+
+async def test_shipper_hands_ready_batches_over_in_one_write(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    sink = CountingFileSink(path)
+    flushed: list[tuple[int, bool]] = []
+    ring = EventRing(10_000)
+    shipper = EventShipper(
+        ring,
+        sink,
+        batch_size=10,
+        flush_interval=0.05,
+        on_flush=lambda count, seconds, ok: flushed.append((count, ok)),
+    )
+    ring.extend(EventBlock.of_events([_event(i) for i in range(95)]))
+    shipper.start()
+    shipper.notify()
+    await asyncio.sleep(0.02)
+    # The nine full batches went in one write; the last five wait for the interval.
+    assert sink.calls == [9] and shipper.shipped == 90 and len(ring) == 5
+    await asyncio.sleep(0.1)
+    assert shipper.shipped == 95 and shipper.batches == 10
+    await shipper.stop()
+    assert flushed == [(10, True)] * 9 + [(5, True)]
+    events = list(read_events(path))
+    assert [e["queue_us"] for e in events] == list(range(95))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scry.observe.anonymize import Anonymizer
 from scry.observe.fingerprint import Fingerprinter, lookup_values, value_key, variant_key
@@ -221,3 +223,82 @@ def test_variant_cache_is_bounded() -> None:
     for i in range(40):
         fp.resolve(f"SELECT * FROM t WHERE name = 'n{i}'".encode())
     assert 0 < len(fp.variants) <= 5
+
+
+# --------------------------------------------------------------------------- #
+# The drain's caches never merge what PostgreSQL's fingerprint keeps apart
+# --------------------------------------------------------------------------- #
+
+_TABLES = ("t", "t1", "t2", "users", "orders2")
+_COLUMNS = ("id", "c1", "c2", "name", "x")
+
+
+def _literal() -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.integers(min_value=-(10**12), max_value=10**12).map(str),
+        st.decimals(min_value=-1000, max_value=1000, places=2).map(str),
+        st.text("ab1'9 ", max_size=6).map(lambda s: "'" + s.replace("'", "''") + "'"),
+        st.sampled_from(["$1", "$2", "NULL", "true"]),
+    )
+
+
+@st.composite
+def _query(draw: st.DrawFn) -> str:
+    table = draw(st.sampled_from(_TABLES))
+    column = draw(st.sampled_from(_COLUMNS))
+    kind = draw(st.sampled_from(["eq", "in", "two", "update", "cmp", "arith"]))
+    lit = draw(_literal())
+    if kind == "eq":
+        where = f"{column} = {lit}"
+    elif kind == "in":
+        items = draw(st.lists(_literal(), min_size=1, max_size=4))
+        where = f"{column} IN ({', '.join(items)})"
+    elif kind == "two":
+        other = draw(st.sampled_from(_COLUMNS))
+        where = f"{column} = {lit} AND {other} = {draw(_literal())}"
+    elif kind == "cmp":
+        where = f"{column} {draw(st.sampled_from(['<', '>=', '<>']))} {lit}"
+    elif kind == "arith":
+        op = draw(st.sampled_from(["+", "-", "*"]))
+        where = f"{column} {op} {draw(st.integers(0, 99))} = {lit}"
+    else:
+        return f"UPDATE {table} SET {column} = {lit} WHERE id = {draw(_literal())}"
+    select = draw(st.sampled_from(["*", column, f"{column}, id", "count(*)"]))
+    text = f"SELECT {select} FROM {table} WHERE {where}"
+    if draw(st.booleans()):
+        text = text.lower()
+    if draw(st.booleans()):
+        text = text.replace(" ", draw(st.sampled_from(["  ", "\n", " \t"])))
+    if draw(st.booleans()):
+        text = f"/* app {draw(st.integers(0, 9))} */ " + text
+    return text + draw(st.sampled_from(["", ";", " ;"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(_query(), min_size=2, max_size=12))
+def test_drain_fingerprints_agree_with_postgres(texts: list[str]) -> None:
+    """Through the drain's own path (variant cache, shape cache, pglast for new
+    shapes), twice so the second round comes from the caches: two texts share
+    a scry fingerprint only when PostgreSQL's fingerprint says they are the
+    same statement. (Not the converse: PostgreSQL also merges ``x IN (1)``
+    with ``x = 1``, scry keeps them apart.)"""
+    import pglast
+
+    from scry.config import ObservabilityConfig
+    from scry.observe.pipeline import Observatory
+    from scry.observe.record import ClientContext
+
+    obs = Observatory(ObservabilityConfig(anonymize_key="k"))
+    tail = obs.subscribe(maxsize=1_000)
+    ctx = ClientContext("c", "d", "u", "a")
+    for _ in range(2):
+        for text in texts:
+            obs.record((ctx, text.encode() + b"\0", 0, 0, 0, 1_000, 1, None, None))
+        obs.drain()
+    ours = [tail.get_nowait()["fingerprint"] for _ in range(2 * len(texts))]
+    assert ours[: len(texts)] == ours[len(texts) :]
+    theirs = [pglast.parser.fingerprint(text) for text in texts]
+    for i in range(len(texts)):
+        for j in range(i + 1, len(texts)):
+            if ours[i] == ours[j]:
+                assert theirs[i] == theirs[j], (texts[i], texts[j])

@@ -298,3 +298,42 @@ def test_event_ring_extend_counts_drops() -> None:
     ring.extend([(i,) for i in range(3)])
     ring.extend([(i,) for i in range(3, 10)])
     assert ring.pushed == 10 and ring.dropped == 5 and ring.take(10) == [(i,) for i in range(5, 10)]
+
+
+def test_event_columns_match_per_record_events() -> None:
+    """The drain builds events column-wise; each must be what the record says."""
+    import random
+
+    clocks = Clocks()
+    for anonymize in (True, False):
+        obs = _observatory(clocks, anonymize=anonymize)
+        tail = obs.subscribe(maxsize=10_000)
+        contexts = [ClientContext(f"c{i}", f"db{i % 2}", "u", "a", worker=i) for i in range(3)]
+        rng = random.Random(3)
+        records = []
+        for i in range(300):
+            clocks.advance(0.001)
+            rec = list(_record(clocks, contexts[i % 3], f"SELECT * FROM t{i % 2} WHERE id = {i}",
+                               rng.randrange(50, 5_000), queue_us=rng.choice((0, 70))))  # fmt: skip
+            rec[4] += rng.choice((0, 0, 3_000))  # sent after acquired now and then
+            rec[6] = b"SELECT 2\0" if i % 4 else 5
+            rec[7] = "40001" if i % 13 == 0 else None
+            rec[8] = ("set", "prepare") if i % 17 == 0 else (() if i % 19 == 0 else None)
+            records.append(tuple(rec))
+            obs.record(tuple(rec))  # type: ignore[arg-type]
+        obs.drain()
+        got = [tail.get_nowait() for _ in range(tail.qsize())]
+        expected = []
+        for ctx, text, received, acquired, sent, done, tag, sqlstate, pins in records:
+            shape = obs.fingerprinter.fingerprint(text)
+            expected.append({
+                "ts": done / 1e9 + obs._wall_offset, "worker": ctx.worker,
+                "client_id": ctx.client_id, "database": ctx.database, "user": ctx.user,
+                "application_name": ctx.application_name, "fingerprint": shape.fingerprint,
+                "query": shape.normalized if anonymize else text.decode(),
+                "queue_us": (acquired - received) // 1000,
+                "pool_acquire_us": (sent - acquired) // 1000, "backend_us": (done - sent) // 1000,
+                "total_us": (done - received) // 1000, "rows": 2 if isinstance(tag, bytes) else 5,
+                "sqlstate": sqlstate, "pinned": pins is not None, "pin_reasons": list(pins or ()),
+            })  # fmt: skip
+        assert got == expected
