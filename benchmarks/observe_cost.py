@@ -28,7 +28,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from scry import workload
@@ -210,13 +210,16 @@ def bench_workload(name: str, records: list[tuple], tmp: Path) -> None:
     listened = Observatory(ObservabilityConfig())
     monitors = {"bench": HealthMonitor(), "shop": HealthMonitor()}
 
-    def feed_health(database: str, total_us: int, sqlstate: str | None) -> None:
+    def feed_health(
+        database: str, latencies_ns: Sequence[int], sqlstates: Sequence[str | None]
+    ) -> None:
         # scry.proxy.Proxy._feed_health, without the proxy
         monitor = monitors.get(database)
         if monitor is not None:
-            monitor.observe_query(total_us / 1e6, sqlstate is not None)
+            healthy = [t for t, s in zip(latencies_ns, sqlstates, strict=True) if s is None]
+            monitor.observe_latencies(healthy, len(latencies_ns) - len(healthy))
 
-    listened.query_listeners.append(feed_health)
+    listened.query_batch_listeners.append(feed_health)
     _drain_all(listened, records)
     print(
         f"  drain + health listener        {best_of(lambda: _drain_all(listened, records)):6.2f} µs"

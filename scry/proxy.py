@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from scry import __version__
@@ -62,7 +63,7 @@ class Proxy:
         self.observatory = Observatory(config.observability)
         self.breakers: dict[str, CircuitBreaker] = {}
         self.health: dict[str, HealthMonitor] = {}
-        self.observatory.query_listeners.append(self._feed_health)
+        self.observatory.query_batch_listeners.append(self._feed_health)
         self._stopped = asyncio.Event()
         self._janitor: asyncio.Task[None] | None = None
         self.admin: AdminServer | None = None  # the admin HTTP API (scry.adminapi)
@@ -269,13 +270,25 @@ class Proxy:
             to_state=str(transition.to_state),
         ).inc()
 
-    def _feed_health(self, database: str, total_us: int, sqlstate: str | None) -> None:
-        # Called from the observatory's drain, off the query path.
+    def _feed_health(
+        self, database: str, latencies_ns: Sequence[int], sqlstates: Sequence[str | None]
+    ) -> None:
+        # Called from the observatory's drain, off the query path, with a
+        # group of one database's statements.
         monitor = self.health.get(database)
-        if monitor is not None:
-            sick = sqlstate is not None and classify_sqlstate(sqlstate)
-            # The janitor's clock is good to the second, which is all the monitor buckets by.
-            monitor.observe_query(total_us / 1e6, sick, self.clock)
+        if monitor is None:
+            return
+        if sqlstates.count(None) != len(sqlstates):
+            healthy = [
+                latency
+                for latency, sqlstate in zip(latencies_ns, sqlstates, strict=True)
+                if sqlstate is None or not classify_sqlstate(sqlstate)
+            ]
+            errors, latencies_ns = len(latencies_ns) - len(healthy), healthy
+        else:
+            errors = 0
+        # The janitor's clock is good to the second, which is all the monitor buckets by.
+        monitor.observe_latencies(latencies_ns, errors, self.clock)
 
     def _reclaim_idle_pins(self, now: float) -> None:
         """Hybrid: pinned clients idle past ``pool.idle_unpin_seconds`` give their

@@ -31,6 +31,7 @@ collapsed). It depends only on the shape, so the caches never disagree.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
@@ -135,6 +136,25 @@ class Variant:
             count_elements(counts, map(prefixed, map(value, texts)))
 
 
+class VariantCache(dict[int, "Variant"]):
+    """Variant key (``variant_key``) -> ``Variant``.
+
+    ``get`` also accepts the digits-zeroed text itself (``bytes``), hashing
+    it, for readers written when that was the key; the drain binds the plain
+    ``dict.get`` (``VariantCache.lookup``) and keeps its C speed.
+    """
+
+    __slots__ = ()
+
+    def get(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, hash(key) if key.__class__ is bytes else key, default)
+
+    @property
+    def lookup(self) -> Callable[[int], Variant | None]:
+        """``dict.get`` of this cache, by variant key only."""
+        return dict.get.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+
 _MAX_VARIANT_LEN = 4096
 _MAX_VARIANTS_PER_SHAPE = 256  # beyond: values in the text itself (strings), not worth keeping
 _DIGIT_RUN = re.compile(rb"[0-9]+")
@@ -159,7 +179,7 @@ class Fingerprinter:
         self._max_texts = max_texts
         #: Variant key -> Variant. The pipeline reads it directly (``.get``),
         #: so it is only ever cleared, never replaced.
-        self.variants: dict[int, Variant] = {}
+        self.variants = VariantCache()
         self._variants_per_shape: dict[Shape, int] = {}
         self._loose: dict[Shape, Variant] = {}
         self._max_variants = max_variants
@@ -202,6 +222,14 @@ class Fingerprinter:
             for column, literal in lookup_values(shape, raw, literals, collapsed)
         )
         return self.loose(shape), keys
+
+    def cached_shape(self, text: bytes) -> Shape | None:
+        """The shape of a text (as the proxy records it) when the variant
+        cache already knows it; never parses."""
+        variant = self.variants.get(variant_key(text))
+        if variant is None or not variant.matches(text):
+            return None
+        return variant.shape
 
     def loose(self, shape: Shape) -> Variant:
         """The one loose variant of a shape."""

@@ -312,3 +312,24 @@ def test_health_config_defaults_and_validation() -> None:
         load_config(None, env=env, overrides={"health.latency_spike_factor": 1})
     with pytest.raises(ConfigError, match="did you mean 'sustain_seconds'"):
         load_config(None, env=env, overrides={"health.sustain_second": 3})
+
+
+def test_observe_latencies_counts_like_observe_query() -> None:
+    """The drain's batch feed fills the same buckets as one call per query."""
+    import random
+
+    rng = random.Random(11)
+    clock = Clock()
+    one, many = make(clock), make(clock)
+    latencies = [0, 1, 999, 10_000, 11_000, 11_999, 10**15, -3] + [
+        int(rng.lognormvariate(13, 3)) for _ in range(20_000)
+    ]
+    for latency in latencies:
+        one.observe_query((latency // 1000) / 1e6)
+    for _ in range(7):
+        one.observe_query(0.5, is_error=True)
+    many.observe_latencies(latencies[:100], 3)
+    many.observe_latencies(latencies[100:], 4)
+    many.observe_latencies([], 0)
+    assert many._count == one._count and many._errors == one._errors
+    assert many._hist == one._hist

@@ -7,7 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scry.observe.anonymize import Anonymizer
-from scry.observe.fingerprint import Fingerprinter, lookup_values, value_key, variant_key
+from scry.observe.fingerprint import (
+    DIGITS_TO_ZERO,
+    Fingerprinter,
+    lookup_values,
+    value_key,
+    variant_key,
+)
 from scry.observe.lexer import canonical, render, shape_of, tables_by_lexer
 
 
@@ -302,3 +308,15 @@ def test_drain_fingerprints_agree_with_postgres(texts: list[str]) -> None:
         for j in range(i + 1, len(texts)):
             if ours[i] == ours[j]:
                 assert theirs[i] == theirs[j], (texts[i], texts[j])
+
+
+def test_cached_shape_never_parses(fp: Fingerprinter) -> None:
+    text = b"SELECT * FROM t WHERE name = 'x' AND id = 12\x00"
+    assert fp.cached_shape(text) is None and fp.parses == 0
+    variant, _ = fp.resolve(text)
+    same = b"SELECT * FROM t WHERE name = 'x' AND id = 98\x00"
+    assert fp.cached_shape(same) is variant.shape and fp.parses == 1
+    assert fp.cached_shape(b"SELECT * FROM t WHERE name = 'y' AND id = 98\x00") is None
+    # The cache also answers by digits-zeroed text (what readers used as the key).
+    assert fp.variants.get(same.translate(DIGITS_TO_ZERO)) is variant
+    assert fp.variants.lookup(variant_key(text)) is variant

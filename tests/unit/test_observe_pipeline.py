@@ -245,6 +245,15 @@ def test_chunked_drain_equals_per_record_accounting() -> None:
     obs = _observatory(clocks)
     heard: list[tuple[str, int, str | None]] = []
     obs.query_listeners.append(lambda *args: heard.append(args))
+    heard_in_batches: list[tuple[str, int, str | None]] = []
+
+    def batch_listener(database: str, totals: list[int], sqlstates: list[str | None]) -> None:
+        assert len(totals) == len(sqlstates)
+        heard_in_batches.extend(
+            (database, t // 1000, s) for t, s in zip(totals, sqlstates, strict=True)
+        )
+
+    obs.query_batch_listeners.append(batch_listener)
     reference_stats = StatsTable(obs.config.max_fingerprints, clock=clocks.clock)
     reference_metrics = ObserveMetrics()
     contexts = [ClientContext(f"c{i}", db, "u", "a") for i, db in enumerate(["d1", "d2", "d1"])]
@@ -284,6 +293,7 @@ def test_chunked_drain_equals_per_record_accounting() -> None:
         assert obs.stats.top("calls", 10, window) == reference_stats.top("calls", 10, window)
     assert obs.stats.summary() == reference_stats.summary()
     assert sorted(heard, key=repr) == sorted(expected_heard, key=repr)
+    assert sorted(heard_in_batches, key=repr) == sorted(expected_heard, key=repr)
     mine, theirs = obs.metrics_text().splitlines(), reference_metrics.text().decode().splitlines()
     wanted = ("scry_database_query", "scry_query_", "scry_pinned", "scry_queries")
     assert [line for line in mine if line.startswith(wanted)] == [
