@@ -268,6 +268,7 @@ class Pool:
         servers, waiters = len(self.servers), self.waiters
         want = min(len(waiters), self.size - servers)
         reserve = self.settings.reserve_size
+        overdue = 0
         if reserve and want < len(waiters):
             # PgBouncer's reserve_pool: a client queued longer than reserve_pool_timeout
             # may have one of ``reserve`` servers beyond ``size``.
@@ -280,7 +281,7 @@ class Pool:
         for _ in range(max(0, want - self.connecting)):
             self._spawn()
         if reserve and want < len(waiters) and self._reserve_timer is None:
-            self._arm_reserve_timer()
+            self._arm_reserve_timer(overdue)
 
     def _overdue_waiters(self) -> int:
         """How many waiters (the queue is FIFO: the first ones) passed reserve_pool_timeout."""
@@ -295,15 +296,14 @@ class Pool:
             overdue += 1
         return overdue
 
-    def _arm_reserve_timer(self) -> None:
+    def _arm_reserve_timer(self, overdue: int) -> None:
         """One timer per pool, only while clients wait: wake up when the first waiter
-        not yet overdue reaches reserve_pool_timeout, if the reserve still has room."""
+        not counted ``overdue`` reaches reserve_pool_timeout, if the reserve has room."""
         timeout = self.proxy.config.timeouts.reserve_pool_timeout
         if not timeout or self.paused:
             return
         if len(self.servers) + self.connecting >= self.size + self.settings.reserve_size:
             return  # nothing left to open: a release will serve them
-        overdue = self._overdue_waiters()
         if overdue >= len(self.waiters):
             return
         due_ns = self.waiters[overdue].waiting_since + int(timeout * 1e9)
