@@ -52,8 +52,8 @@ class Anonymizer:
         return blake3.blake3(data, key=self._key).digest(length)
 
     def hasher(self) -> blake3.blake3:
-        """A keyed hasher with no data: ``copy()`` it and ``update()`` the copy,
-        much cheaper than ``digest`` for many small values (no key setup)."""
+        """A keyed hasher with no data, for many small values: ``reset()``,
+        ``update()``, ``digest()`` (much cheaper than ``digest``: no key setup)."""
         return blake3.blake3(key=self._key)
 
     def literal_token(self, kind: str, value: str) -> str:

@@ -235,7 +235,10 @@ class HotData:
         is kept."""
         # CountMinSketch.add_digest and the common TopK.offer outcome (not
         # kept, not admitted) inlined: this runs once per distinct value.
-        copy = self._hasher.copy
+        # One keyed hasher, reset before each value (twice as fast as a copy
+        # of a fresh one: no 2 KB state to clone).
+        hasher = self._hasher
+        reset, update, finish = hasher.reset, hasher.update, hasher.digest
         length = self._digest_len
         full = length <= 32  # digest() without a length: 32 bytes, the cheapest call
         cms = self.values
@@ -250,9 +253,9 @@ class HotData:
         offer = top.offer
         floor = top.floor()
         for key, count in counts.items():
-            h = copy()
-            h.update(key)
-            digest = h.digest() if full else h.digest(length=length)
+            reset()
+            update(key)
+            digest = finish() if full else finish(length=length)
             if depth4:
                 a, b, c, d = unpack(digest)
                 a %= width
