@@ -121,7 +121,10 @@ class Observatory:
         )
         self._subscribers: list[Subscription] = []
         self._closed_tail_drops = 0
-        self._records: deque[QueryRecord] = deque(maxlen=max_records)
+        # Bounded at max_records by the drain, which drops (and counts) the
+        # oldest beyond it; the deque's own bound, four times that, only
+        # holds memory if the drain ever stopped.
+        self._records: deque[QueryRecord] = deque(maxlen=4 * max_records)
         self._max_records = max_records
         self.drain_interval = drain_interval
         self.drain_chunk = drain_chunk
@@ -130,24 +133,28 @@ class Observatory:
         self._wall_offset = clock() - perf_counter_ns() / 1e9
         self._task: asyncio.Task[None] | None = None
         self._tag_rows = _TagRows()
-        #: Records lost because the drain fell behind by max_records.
-        self.records_dropped = 0
+        self._dropped = 0
         #: Records that raised while being processed (a bug, but never fatal).
         self.record_failures = 0
         self.records_processed = 0
-        if not self.enabled:
-            self.record = _discard  # type: ignore[method-assign]
+        # The hot path's one call per statement, bound straight to the C
+        # append (a Python method here cost the proxy 55 ns a statement more).
+        self.record = self._records.append if self.enabled else _discard  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ #
     # The hot path
     # ------------------------------------------------------------------ #
 
     def record(self, rec: QueryRecord) -> None:
-        """Queue one completed statement (the only per-query call)."""
-        records = self._records
-        if len(records) == self._max_records:
-            self.records_dropped += 1
-        records.append(rec)
+        """Queue one completed statement (the only per-query call). Each
+        instance replaces this with its deque's ``append``."""
+        self._records.append(rec)
+
+    @property
+    def records_dropped(self) -> int:
+        """Records lost because the drain fell behind by ``max_records``
+        (the oldest go; counted when they are dropped or would be)."""
+        return self._dropped + max(0, len(self._records) - self._max_records)
 
     # ------------------------------------------------------------------ #
     # The background drain
@@ -190,6 +197,12 @@ class Observatory:
     def drain(self, limit: int | None = None) -> int:
         """Process up to ``limit`` queued records now; returns how many."""
         records = self._records
+        excess = len(records) - self._max_records
+        if excess > 0:  # fell behind: the oldest go, as a bounded queue would
+            self._dropped += excess
+            popleft = records.popleft
+            for _ in range(excess):
+                popleft()
         n = len(records) if limit is None else min(limit, len(records))
         if n == 0:
             return 0

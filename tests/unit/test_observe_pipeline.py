@@ -210,6 +210,12 @@ def test_record_queue_is_bounded_and_counts_drops() -> None:
     for i in range(25):
         obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
     assert obs.records_dropped == 15 and obs.drain() == 10
+    assert obs.records_dropped == 15 and obs.stats_summary()["records_pending"] == 0
+    assert obs.stats.summary()["queries"] == 10
+    # Memory stays bounded even if nothing drained (the drops then count from there).
+    for i in range(100):
+        obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
+    assert len(obs._records) == 40 and obs.records_dropped == 15 + 30
 
 
 def test_max_fingerprints_evicts() -> None:
