@@ -110,9 +110,17 @@ def test_state_endpoints_reflect_real_connections(scry_proxy, wait_until) -> Non
 
         # The statement a client runs now, once the observatory knows its text.
         with connect(proxy) as busy:
-            busy.execute("select pg_sleep(0.3)")
-            worker = threading.Thread(target=busy.execute, args=("select pg_sleep(0.3)",))
-            time.sleep(0.3)  # the observatory drains every 0.1 s
+            busy.execute("select pg_sleep(0.1)")
+
+            def known() -> Any:
+                rows = get(base, "/api/v1/queries/top", by="calls", limit=50)["queries"]
+                return [r for r in rows if r["query"] == "select pg_sleep($1)"]
+
+            wait_until(known, 5, what="the observatory to know pg_sleep's fingerprint")
+            # Long enough that a loaded machine's polling cannot miss it running.
+            worker = threading.Thread(
+                target=busy.execute, args=("select pg_sleep(3.0)",)
+            )  # same digit shape
             worker.start()
 
             def running() -> Any:
@@ -120,7 +128,7 @@ def test_state_endpoints_reflect_real_connections(scry_proxy, wait_until) -> Non
                 return [c for c in rows if c["state"] == "active" and c["fingerprint"]]
 
             (active,) = wait_until(running, 5, what="an active client with a fingerprint")
-            worker.join(5)
+            worker.join(10)
         assert active["query"] == "select pg_sleep($1)" and active["running_ms"] >= 0
 
         kill = post(base, f"/api/v1/clients/{client['id']}/kill")
