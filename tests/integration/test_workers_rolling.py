@@ -84,8 +84,10 @@ def test_rolling_restart_under_pgbench(scry_proxy, tmp_path, wait_until, workers
     old = scry_proxy(overrides)
     if workers > 1:
         wait_workers(old, workers, wait_until)
-    steady = pgbench(old, tmp_path, "-c", "8", "-j", "2", "-T", "9")
-    churn = pgbench(old, tmp_path, "-C", "-c", "4", "-j", "1", "-T", "9")
+    # Long enough that a new instance starting slowly on a loaded 2-core machine
+    # still takes over while the load runs (checked below).
+    steady = pgbench(old, tmp_path, "-c", "8", "-j", "2", "-T", "14")
+    churn = pgbench(old, tmp_path, "-C", "-c", "4", "-j", "1", "-T", "14")
     time.sleep(2.5)
     new = scry_proxy(overrides, start=False)
     start_replacing(new, old)
