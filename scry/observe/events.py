@@ -349,6 +349,12 @@ def encode_batch(
         columns += data
     table = "\0".join(strings).encode("utf-8", "surrogatepass")
     payload = _batch_map(n, table, columns)
+    return compress_payload(payload, compression)
+
+
+def compress_payload(payload: bytes, compression: str = "gzip") -> tuple[bytes, int]:
+    """(payload, flags) of an uncompressed batch payload. zlib lets go of the
+    GIL while it compresses: the shipper runs this in a thread."""
     if compression == "gzip":
         return gzip.compress(payload, compresslevel=1), FLAG_GZIP
     return payload, 0
