@@ -249,14 +249,13 @@ class HotData:
         depth4 = cms.depth == 4  # the default, unrolled
         offset2, offset3 = 2 * width, 3 * width
         top = self.top_values
-        kept = top.counts
         offer = top.offer
         floor = top.floor()
-        for key, count in counts.items():
-            reset()
-            update(key)
-            digest = finish() if full else finish(length=length)
-            if depth4:
+        if depth4 and full:  # the default shape, unrolled, every branch hoisted
+            for key, count in counts.items():
+                reset()
+                update(key)
+                digest = finish()
                 a, b, c, d = unpack(digest)
                 a %= width
                 b = b % width + width
@@ -272,16 +271,30 @@ class HotData:
                     estimate = cc
                 if cd < estimate:
                     estimate = cd
-            else:
-                estimate = -1
-                for v, offset in zip(unpack(digest), offsets):  # noqa: B905
-                    i = v % width + offset
-                    c = cells[i] + count
-                    cells[i] = c
-                    if c < estimate or estimate < 0:
-                        estimate = c
-            if floor is not None and estimate <= floor and digest not in kept:
-                continue  # would not be admitted
+                # At or under the floor the key cannot be one the table keeps
+                # (a kept key's estimate never falls below what the table
+                # holds for it, and that is at least the floor): not admitted.
+                if floor is not None and estimate <= floor:
+                    continue
+                if offer(digest, estimate):
+                    column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
+                    top.labels[digest] = (column, f"#{short_token(digest)}…")
+                floor = top.floor()
+            cms.total += sum(counts.values())
+            return
+        for key, count in counts.items():
+            reset()
+            update(key)
+            digest = finish() if full else finish(length=length)
+            estimate = -1
+            for v, offset in zip(unpack(digest), offsets):  # noqa: B905
+                i = v % width + offset
+                c = cells[i] + count
+                cells[i] = c
+                if c < estimate or estimate < 0:
+                    estimate = c
+            if floor is not None and estimate <= floor:
+                continue  # not admitted (see above)
             if offer(digest, estimate):
                 column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
                 top.labels[digest] = (column, f"#{short_token(digest)}…")

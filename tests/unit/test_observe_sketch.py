@@ -124,3 +124,32 @@ def test_add_values_matches_add_value_one_by_one() -> None:
         assert [v["value"] for v in top_many] == [v["value"] for v in top_one]
         exact = sorted(counts.values(), reverse=True)[:3]
         assert all(v["count"] >= n for v, n in zip(top_many, exact, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(min_value=0, max_value=10_000),
+    depth=st.sampled_from([4, 3]),
+    top_k=st.integers(min_value=1, max_value=8),
+)
+def test_add_values_keeps_what_a_plain_cms_and_topk_keep(seed: int, depth: int, top_k: int) -> None:
+    """add_values skips the Top-K for estimates at or under its floor without
+    looking the key up: the table must end up as offering every key would."""
+    rng = random.Random(seed)
+    anonymizer = Anonymizer("k")
+    hot = HotData(anonymizer, top_k=top_k, width=32, depth=depth)
+    cms, top = CountMinSketch(32, depth), TopK(top_k)
+    for drain in range(30):
+        counts = Counter(
+            b"t.c\0%d" % int(rng.paretovariate(0.8)) for _ in range(rng.randrange(1, 60))
+        )
+        hot.add_values(dict(counts))
+        for key, count in counts.items():
+            digest = anonymizer.digest(key, 32)
+            if top.offer(digest, cms.add_digest(digest[: 4 * depth], count)):
+                top.labels[digest] = key
+        if drain % 7 == 6:  # decay now and then
+            for part in (hot.values, hot.top_values, cms, top):
+                part.halve()
+    assert hot.values._counts == cms._counts
+    assert hot.top_values.counts == top.counts
