@@ -122,9 +122,9 @@ class Observatory:
         self._subscribers: list[Subscription] = []
         self._closed_tail_drops = 0
         # Bounded at max_records by the drain, which drops (and counts) the
-        # oldest beyond it; the deque's own bound, four times that, only
-        # holds memory if the drain ever stopped.
-        self._records: deque[QueryRecord] = deque(maxlen=4 * max_records)
+        # oldest beyond it; the deque's own bound, a quarter more, only holds
+        # memory if the drain ever stopped (drops past it go uncounted).
+        self._records: deque[QueryRecord] = deque(maxlen=max_records + max_records // 4)
         self._max_records = max_records
         self.drain_interval = drain_interval
         self.drain_chunk = drain_chunk

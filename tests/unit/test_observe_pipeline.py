@@ -217,7 +217,7 @@ def test_record_queue_is_bounded_and_counts_drops() -> None:
     # Memory stays bounded even if nothing drained (the drops then count from there).
     for i in range(100):
         obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
-    assert len(obs._records) == 40 and obs.records_dropped == 15 + 30
+    assert len(obs._records) == 12 and obs.records_dropped == 15 + 2
 
 
 def test_max_fingerprints_evicts() -> None:
