@@ -122,9 +122,10 @@ class Observatory:
         self._subscribers: list[Subscription] = []
         self._closed_tail_drops = 0
         # Bounded at max_records by the drain, which drops (and counts) the
-        # oldest beyond it; the deque's own bound, a quarter more, only holds
+        # oldest beyond it; the deque's own bound, ten chunks more (what
+        # 100,000 statements a second bring between two drains), only holds
         # memory if the drain ever stopped (drops past it go uncounted).
-        self._records: deque[QueryRecord] = deque(maxlen=max_records + max_records // 4)
+        self._records: deque[QueryRecord] = deque(maxlen=max_records + 10 * drain_chunk)
         self._max_records = max_records
         self.drain_interval = drain_interval
         self.drain_chunk = drain_chunk

@@ -214,10 +214,12 @@ def test_record_queue_is_bounded_and_counts_drops() -> None:
     assert obs.records_dropped == 15 and obs.drain() == 10
     assert obs.records_dropped == 15 and obs.stats_summary()["records_pending"] == 0
     assert obs.stats.summary()["queries"] == 10
-    # Memory stays bounded even if nothing drained (the drops then count from there).
+    # Memory stays bounded even if the drain stopped (drops past that bound
+    # are no longer counted).
+    stalled = Observatory(ObservabilityConfig(), max_records=10, drain_chunk=2)
     for i in range(100):
-        obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
-    assert len(obs._records) == 12 and obs.records_dropped == 15 + 2
+        stalled.record(_record(clocks, ctx, f"SELECT {i}", 10))
+    assert len(stalled._records) == 30 and stalled.records_dropped == 20
 
 
 def test_max_fingerprints_evicts() -> None:
