@@ -353,8 +353,7 @@ def encode_batch(
 
 
 def compress_payload(payload: bytes, compression: str = "gzip") -> tuple[bytes, int]:
-    """(payload, flags) of an uncompressed batch payload. zlib lets go of the
-    GIL while it compresses: the shipper runs this in a thread."""
+    """(payload, flags) of an uncompressed batch payload."""
     if compression == "gzip":
         return gzip.compress(payload, compresslevel=1), FLAG_GZIP
     return payload, 0
