@@ -8,8 +8,9 @@ dollar-quoted bodies as ``$k7q2b6…$``, bind parameters stay ``$n``.
 
 The key is Blake3 keyed hashing with a 32-byte key derived (Blake3
 ``derive_key``) from ``observability.anonymize_key``. When no key is
-configured, a random key is generated per process: hashes are then stable
-only until the process restarts, and never comparable between workers.
+configured, a random one is drawn at start (with several workers, once by
+the supervisor and given to all of them: ``scry.workers.worker_config``), so
+hashes are comparable across workers but stable only until scry restarts.
 """
 
 from __future__ import annotations
