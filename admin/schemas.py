@@ -162,6 +162,10 @@ class PoolInfo(Payload):
     mode: str
     size: int
     min_size: int
+    reserve_size: int = Field(
+        0, description="Servers allowed beyond size for clients queued past reserve_pool_timeout."
+    )
+    reserve_in_use: int = Field(0, description="Servers open (or opening) beyond size now.")
     servers: int = Field(description="Logged-in server connections.")
     connecting: int
     active: int = Field(description="Servers running something for a client.")

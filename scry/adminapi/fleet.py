@@ -135,6 +135,8 @@ def merge_status(
 _POOL_SUMS = (
     "size",
     "min_size",
+    "reserve_size",
+    "reserve_in_use",
     "servers",
     "connecting",
     "active",

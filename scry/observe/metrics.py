@@ -254,6 +254,7 @@ class ObserveMetrics:
             key: GaugeMetricFamily(f"scry_pool_{key}", doc, labels=["database", "user"])
             for key, doc in (
                 ("size", "Server connections allowed in the pool."),
+                ("reserve_in_use", "Server connections open beyond size (reserve_pool)."),
                 ("active", "Server connections linked to a client."),
                 ("idle", "Server connections idle in the pool."),
                 ("waiting", "Clients waiting for a server connection."),
@@ -263,7 +264,7 @@ class ObserveMetrics:
         }
         for pool in pools:
             labels = [str(pool.get("database", "")), str(pool.get("user", ""))]
-            for key in ("size", "active", "idle", "waiting", "max_wait_seconds"):
+            for key in ("size", "reserve_in_use", "active", "idle", "waiting", "max_wait_seconds"):
                 gauges[key].add_metric(labels, float(pool.get(key, 0) or 0))
             size = float(pool.get("size", 0) or 0)
             gauges["saturation"].add_metric(

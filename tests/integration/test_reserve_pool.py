@@ -14,8 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
+from test_admin_api import AUTH, get, start_admin_proxy
 from test_pgbouncer_compat import Bouncer, bouncer_dir, running
 
 from scry.devcluster import DevCluster
@@ -45,17 +47,29 @@ async def _timed_query(proxy: Any) -> float:
         await conn.close()
 
 
+def _reserve_reported(base: str) -> tuple[int, int, float]:
+    """(reserve_size, reserve_in_use) from the admin API, and the metrics gauge."""
+    (pool,) = get(base, "/api/v1/pools")["pools"]
+    metrics = httpx.get(f"{base}/metrics", headers=AUTH, timeout=5).text
+    (line,) = [x for x in metrics.splitlines() if x.startswith("scry_pool_reserve_in_use{")]
+    return pool["reserve_size"], pool["reserve_in_use"], float(line.rsplit(" ", 1)[1])
+
+
 async def test_a_client_waiting_past_the_timeout_gets_a_reserve_server(
     pg: DevCluster, scry_proxy: Callable[..., Any], backend_count: Callable[..., int]
 ) -> None:
-    proxy = scry_proxy(
-        {"pool": {"size": 2, "reserve_size": 1}, "timeouts": {"reserve_pool_timeout": TIMEOUT}}
+    proxy, base = start_admin_proxy(
+        scry_proxy,
+        pool={"mode": "transaction", "size": 2, "reserve_size": 1},
+        timeouts={"reserve_pool_timeout": TIMEOUT},
     )
     holders = await _holders(proxy, 2)
     assert backend_count(pg, proxy=proxy) == 2
+    assert _reserve_reported(base) == (1, 0, 0.0)
     waited = await _timed_query(proxy)  # the pool is full: the reserve serves it
     assert TIMEOUT <= waited < TIMEOUT + 3, waited
     assert backend_count(pg, proxy=proxy) == 3
+    assert _reserve_reported(base) == (1, 1, 1.0)  # the admin API and /metrics say so
 
     # The reserve is spent: a fourth client waits past the timeout for a release.
     third = (await _holders(proxy, 1))[0]  # takes the reserve server, now idle

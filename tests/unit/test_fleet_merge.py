@@ -227,7 +227,7 @@ def test_listing_rows_carry_their_worker() -> None:
 def _pool(**over: Any) -> dict[str, Any]:
     pool = {
         "database": "app", "user": "app", "mode": "transaction", "size": 3, "min_size": 1,
-        "servers": 2, "connecting": 0, "active": 1, "idle": 1, "parked": 0, "waiting": 0,
+        "reserve_size": 1, "reserve_in_use": 0, "servers": 2, "connecting": 0, "active": 1, "idle": 1, "parked": 0, "waiting": 0,
         "max_wait_ms": 0.0, "pinned": 0, "stale": False, "breaker": "closed", "last_error": None,
         "totals": {"waits": 2, "wait_ms_total": 10.0, "wait_ms_mean": 5.0,
                    "servers_opened": 2, "servers_closed": 0},
@@ -240,7 +240,13 @@ def test_pools_add_up_per_database_and_user() -> None:
     merged = fleet.merge_pools(
         {
             0: {"pools": [_pool()]},
-            1: {"pools": [_pool(size=2, waiting=3, max_wait_ms=40.0, breaker="half_open")]},
+            1: {
+                "pools": [
+                    _pool(
+                        size=2, waiting=3, max_wait_ms=40.0, breaker="half_open", reserve_in_use=1
+                    )
+                ]
+            },
             2: {"pools": [_pool(user="other"), _pool(active=2, last_error="boom")]},
         }
     )
@@ -248,6 +254,7 @@ def test_pools_add_up_per_database_and_user() -> None:
     assert (app["user"], other["user"]) == ("app", "other")
     assert app["workers"] == [0, 1, 2] and other["workers"] == [2]
     assert app["size"] == 8 and app["active"] == 4 and app["waiting"] == 3
+    assert app["reserve_size"] == 3 and app["reserve_in_use"] == 1
     assert app["max_wait_ms"] == 40.0 and app["breaker"] == "half_open"
     assert app["last_error"] == "boom"
     assert app["totals"]["waits"] == 6 and app["totals"]["wait_ms_mean"] == 5.0
