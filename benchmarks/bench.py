@@ -7,7 +7,9 @@ Everything runs on loopback in throwaway directories:
   benchmarking) initialised with ``pgbench -i -s SCALE``;
 * PgBouncer (Debian's ``pgbouncer`` package), transaction pooling, pool size N;
 * scry (``scry serve``), transaction pooling by default, same pool size, plus any
-  number of scry *variants* with their own configuration overrides.
+  number of scry *variants* with their own configuration overrides;
+* optionally (``--targets ...,floor``) benchmarks/floor_pooler.py, a bare asyncio +
+  uvloop transaction pooler: the floor for a Python pooler on this machine.
 
 Runs are interleaved: each round runs every scenario against every target back
 to back (target order rotated per round), and the tables report the median over
@@ -23,6 +25,7 @@ Usage (from the repository root)::
         --variant scry-hybrid:pool.mode=hybrid \\
         --variant scry-noobs:observability.fingerprinting=false
     .venv/bin/python benchmarks/bench.py --scenarios S10,C50 --json results.json
+    .venv/bin/python benchmarks/bench.py --targets direct,pgbouncer,scry,floor
 
 See ``--help`` and benchmarks/README.md for every option.
 """
@@ -65,6 +68,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
 USER, PASSWORD, DBNAME = "app", "app_pass", "app"
 PGBOUNCER_OS_USER = "postgres"
+FLOOR_POOLER = Path(__file__).resolve().parent / "floor_pooler.py"
 PGBOUNCER_INSTALL_HINT = (
     "PgBouncer not found (looked for /usr/sbin/pgbouncer and `pgbouncer` on PATH); "
     "skipping the 'pgbouncer' target. Install it with:  apt-get install -y pgbouncer"
@@ -398,6 +402,33 @@ class ScryTarget(Target):
         self._spawn([self.binary, "serve", "-c", str(path)], workdir=self.dir)
 
 
+class FloorTarget(Target):
+    """benchmarks/floor_pooler.py: the cheapest Python transaction pooler, as a yardstick."""
+
+    kind = "floor"
+
+    def __init__(self, label: str, pg_port: int, pool_size: int, workdir: Path) -> None:
+        super().__init__(label)
+        self.pg_port, self.pool_size, self.dir = pg_port, pool_size, workdir
+        self.description = (
+            f"{FLOOR_POOLER.name} (bare asyncio+uvloop transaction pooler, Python "
+            f"{platform.python_version()}), pool {pool_size}, auth md5 (always)"
+        )
+
+    def start(self) -> None:
+        self.port = free_port()
+        self._spawn(
+            [
+                sys.executable, str(FLOOR_POOLER),
+                "--listen-port", str(self.port),
+                "--pg-host", HOST, "--pg-port", str(self.pg_port),
+                "--user", USER, "--password", PASSWORD, "--dbname", DBNAME,
+                "--pool-size", str(self.pool_size),
+            ],
+            workdir=self.dir,
+        )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- #
 # Scenarios and pgbench
 # --------------------------------------------------------------------------- #
@@ -652,9 +683,11 @@ def summarize(
             }
         ref_bouncer = next((v["tps"] for v in per.values() if v["kind"] == "pgbouncer"), None)
         ref_direct = next((v["tps"] for v in per.values() if v["kind"] == "direct"), None)
+        ref_floor = next((v["tps"] for v in per.values() if v["kind"] == "floor"), None)
         for v in per.values():
             v["vs_pgbouncer"] = v["tps"] / ref_bouncer if v["tps"] and ref_bouncer else None
             v["vs_direct"] = v["tps"] / ref_direct if v["tps"] and ref_direct else None
+            v["vs_floor"] = v["tps"] / ref_floor if v["tps"] and ref_floor else None
         summary[sc.label] = per
     return summary
 
@@ -751,22 +784,31 @@ def print_report(
                 f"  other load on the machine during these runs: median "
                 f"{statistics.median(other):.0f}% of a core, max {max(other_max, default=0):.0f}%"
             )
-    print("\nSummary (median tps; scry target / PgBouncer, / direct; proxy CPU µs per txn):")
+    print(
+        "\nSummary (median tps; scry and floor targets / PgBouncer, / direct, scry / floor; "
+        "proxy CPU µs per txn):"
+    )
     for sc in scenarios:
         per = summary[sc.label]
         bouncer = next((b for b in per.values() if b["kind"] == "pgbouncer"), None)
+        has_floor = any(v["kind"] == "floor" for v in per.values())
         lines = [
             f"  {sc.label:<6} {label:<14} {fmt(v['vs_pgbouncer'], '.2f', '×')} PgBouncer  "
             f"{fmt(v['vs_direct'], '.2f', '×')} direct  "
-            f"(tps {fmt(v['tps'])}"
+            + (
+                f"{fmt(v['vs_floor'], '.2f', '×')} floor  "
+                if v["kind"] == "scry" and has_floor
+                else ""
+            )
+            + f"(tps {fmt(v['tps'])}"
             + (f" vs {fmt(bouncer['tps'])}" if bouncer else "")
             + f"; CPU {fmt(v['proxy_cpu_us_per_txn'], '.1f')} µs"
             + (f" vs {fmt(bouncer['proxy_cpu_us_per_txn'], '.1f')}" if bouncer else "")
             + ")"
             for label, v in per.items()
-            if v["kind"] == "scry"
+            if v["kind"] in ("scry", "floor")
         ]
-        print("\n".join(lines) if lines else f"  {sc.label:<6} (no scry target)")
+        print("\n".join(lines) if lines else f"  {sc.label:<6} (no scry or floor target)")
 
 
 # --------------------------------------------------------------------------- #
@@ -832,7 +874,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--targets",
         default="direct,pgbouncer,scry",
-        help="comma-separated: direct, pgbouncer, scry and any --variant labels",
+        help="comma-separated: direct, pgbouncer, scry, floor (benchmarks/floor_pooler.py, "
+        "a bare Python pooler; always md5) and any --variant labels",
     )
     p.add_argument(
         "--variant",
@@ -842,7 +885,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="an extra scry target with config overrides; added to --targets if not listed; repeatable",
     )
     p.add_argument(
-        "--pool-size", type=int, default=20, help="PgBouncer default_pool_size and scry pool.size"
+        "--pool-size",
+        type=int,
+        default=20,
+        help="PgBouncer default_pool_size, scry pool.size and the floor's pool size",
     )
     p.add_argument(
         "--scry-mode",
@@ -908,11 +954,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = dict(parse_variant(v) for v in args.variant)
     names = [n.strip() for n in args.targets.split(",") if n.strip()]
     names += [v for v in variants if v not in names]
+    builtin = ("direct", "pgbouncer", "scry", "floor")
+    if reserved := sorted(set(variants) & {"direct", "pgbouncer", "floor"}):
+        raise SystemExit(f"--variant label {reserved[0]!r} is reserved for a built-in target")
     for n in names:
-        if n not in ("direct", "pgbouncer", "scry") and n not in variants:
-            raise SystemExit(
-                f"unknown target {n!r}: use direct, pgbouncer, scry or a --variant label"
-            )
+        if n not in builtin and n not in variants:
+            raise SystemExit(f"unknown target {n!r}: use {', '.join(builtin)} or a --variant label")
     if len(set(names)) != len(names):
         raise SystemExit("duplicate target names")
 
@@ -1020,6 +1067,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.pgbouncer_ini_extra,
                     )
                 )
+            elif n == "floor":
+                targets.append(FloorTarget(n, pg.port, args.pool_size, workdir))
             else:
                 targets.append(ScryTarget(n, scry_bin, base_scry, variants.get(n, {}), workdir))
         for t in targets:
