@@ -92,8 +92,39 @@ def _valid_setting_name(name: str) -> bool:
     return name.replace("_", "a").replace(".", "a").isalnum()
 
 
+# An application opens its connections with the same startup parameters: their
+# settings are worked out once. The dicts are shared, never changed in place
+# (a client's settings are replaced when they change), which also lets
+# ServerConnection.link see "same settings" by identity instead of comparing.
+_SETTINGS_CACHE: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+_SETTINGS_CACHE_MAX = 1024
+
+
+def startup_settings(params: dict[str, str]) -> dict[str, str]:
+    """The settings a StartupMessage asks for (ProtocolViolation if one is malformed)."""
+    key = tuple(params.items())
+    settings = _SETTINGS_CACHE.get(key)
+    if settings is None:
+        settings = {}
+        for name, value in params.items():
+            if name in _NOT_SETTINGS:
+                continue
+            canonical = canonical_name(name)
+            if not _valid_setting_name(canonical):
+                raise ProtocolViolation(f"unsupported startup parameter: {name}")
+            settings[canonical] = value
+        if params.get("options"):
+            settings.update(parse_options(params["options"]))
+        if len(_SETTINGS_CACHE) >= _SETTINGS_CACHE_MAX:
+            _SETTINGS_CACHE.clear()
+        _SETTINGS_CACHE[key] = settings
+    return settings
+
+
 class ClientLogin:
     """Startup, TLS and authentication of a :class:`~scry.client.ClientConnection`."""
+
+    __slots__ = ()  # the attributes are ClientConnection's
 
     def _startup_data(self, data: bytes) -> None:
         buf = self._startup_buf
@@ -236,16 +267,7 @@ class ClientLogin:
             self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")
             return
         try:
-            settings = {}
-            for key, value in params.items():
-                if key in _NOT_SETTINGS:
-                    continue
-                name = canonical_name(key)
-                if not _valid_setting_name(name):
-                    raise ProtocolViolation(f"unsupported startup parameter: {key}")
-                settings[name] = value
-            if params.get("options"):
-                settings.update(parse_options(params["options"]))
+            settings = startup_settings(params)
         except ProtocolViolation as exc:
             self.fatal(exc.sqlstate, str(exc))
             return

@@ -44,6 +44,8 @@ def parse_text(body: bytes) -> bytes:
 class MessageModeRelay:
     """Whole-message relay with statement rewriting, for a ClientConnection."""
 
+    __slots__ = ()  # the attributes are ClientConnection's
+
     def _enter_message_mode(self) -> None:
         """Read whole messages from now on, so statements can be rewritten."""
         self._messages = MessageReader(self.proxy.config.max_packet_size)

@@ -105,8 +105,9 @@ _CANCEL = struct.Struct("!iiiI")
 
 def new_cancel_key(peer_id: int, worker_id: int) -> tuple[int, int]:
     """A fresh (pid, secret) that names its owner (peer and worker)."""
-    pid = (peer_id << PEER_SHIFT) | (worker_id << WORKER_SHIFT) | random.randint(1, RANDOM_MASK)
-    return pid, random.getrandbits(32)
+    bits = random.getrandbits(41)  # one call: 9 bits of pid (never all zero), 32 of secret
+    pid = (peer_id << PEER_SHIFT) | (worker_id << WORKER_SHIFT) | ((bits >> 32) & RANDOM_MASK or 1)
+    return pid, bits & 0xFFFFFFFF
 
 
 def key_owner(pid: int) -> tuple[int, int]:

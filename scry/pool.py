@@ -72,6 +72,16 @@ class PoolStats:
 class Pool:
     """Server connections to one database as one user."""
 
+    # Slots: more than 30 attributes (see ClientConnection.__slots__).
+    __slots__ = (
+        "_connect_failures", "_greetings", "_reserve_timer", "_retry_handle", "_wait_us_seen",
+        "_waits_seen", "_welcome_future", "breaker", "connecting", "health", "idle",
+        "last_error", "max_message_size", "max_wait_started", "name", "parked", "paused",
+        "proxy", "server_password", "server_user", "servers", "servers_closed",
+        "servers_opened", "setting_spellings", "settings", "stale", "startup_params", "stats",
+        "target", "total_wait_us", "waiters", "waits", "welcome", "__weakref__"
+    )  # fmt: skip
+
     def __init__(
         self,
         proxy: Proxy,
@@ -211,7 +221,8 @@ class Pool:
     def wait(self, client: ClientConnection) -> None:
         """Queue ``client`` (FIFO) until a server is released or opened for it."""
         self.waiters.append(client)
-        self._open_for_waiters()
+        if self.settings.reserve_size or len(self.servers) + self.connecting < self.settings.size:
+            self._open_for_waiters()  # (a full pool with no reserve has nothing to open)
 
     def cancel_wait(self, client: ClientConnection) -> None:
         try:
