@@ -152,7 +152,8 @@ class Pool:
         if self.paused:
             return None
         idle = self.idle
-        check_delay = self.proxy.config.timeouts.server_check_delay
+        if idle:
+            check_delay = self.proxy.config.timeouts.server_check_delay
         while idle:
             server = idle.pop()  # most recently used first: its caches are warm
             if server.state is IDLE:

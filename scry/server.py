@@ -300,24 +300,24 @@ class ServerConnection(asyncio.Protocol):
         t_done = 0
         for kind, end, body in events:
             if kind == _Z:
-                self.tx_status = body[0]
+                status = self.tx_status = body[0]
                 if self.swallow:
                     # The response to our own SET ends here: drop it from the chunk.
                     self.swallow -= 1
                     out = out[end - cut :]
                     cut = end
                     continue
-                self.pending -= 1
+                pending = self.pending = self.pending - 1
                 client.answered += 1
                 now = monotonic()
-                if self.pending <= 0:
+                if pending <= 0:
                     # PgBouncer's counters: a query is a request up to the ReadyForQuery
                     # that answers all it sent (a pipeline counts once); a transaction
                     # ends at such a ReadyForQuery that says idle.
                     stats = self.stats
                     stats.query_count += 1
                     stats.query_time += now - self.busy_since
-                    if body[0] == _TX_IDLE:
+                    if status == _TX_IDLE:
                         stats.xact_count += 1
                         stats.xact_time += now - (self.xact_mark or self.busy_since)
                         self.xact_mark = 0.0
@@ -326,31 +326,40 @@ class ServerConnection(asyncio.Protocol):
                 tracker = client.tracker
                 if tracker is not None and tracker.work:
                     tracker.settle(
-                        client.answered, self.sqlstate, body[0], self, self.pool.proxy.clock
+                        client.answered, self.sqlstate, status, self, self.pool.proxy.clock
                     )
                     client.pins = tracker.reasons()
                 statements = self.statements
                 statements.segments_done += 1
                 if statements.expect:
                     statements.on_ready()
-                release = self.pending <= 0 and body[0] == _TX_IDLE
-                if self.pending <= 0:
+                if pending <= 0:
+                    release = status == _TX_IDLE
                     self.ready_at = now
-                    if body[0] != _TX_IDLE and client.statement_pooling:
+                    if not release and client.statement_pooling:
                         client.refuse_transaction_block()
                 sqlstate = self.sqlstate
                 if sqlstate is not None:
                     self.sqlstate = None
-                elif self.breaker.state is not BREAKER_CLOSED or self.breaker.consecutive_failures:
-                    self.breaker.record_success()  # only news when something was wrong
+                else:
+                    breaker = self.breaker
+                    if breaker.state is not BREAKER_CLOSED or breaker.consecutive_failures:
+                        breaker.record_success()  # only news when something was wrong
                 inflight = client.inflight
                 if inflight:
                     if inflight[0][0] == REC_SYNC:
                         inflight.popleft()  # the end of an extended-protocol batch
-                    else:  # a simple Query (or FunctionCall) is complete
+                    else:  # a simple Query (or FunctionCall) is complete: _record, inlined
                         if not t_done:
                             t_done = perf_counter_ns()
-                        self._record(client, self.last_tag, sqlstate, t_done)
+                        _, text, t_received = inflight.popleft()
+                        t_acquired = client.t_acquired
+                        if t_acquired < t_received:
+                            t_acquired = t_received
+                        self.observe(
+                            (client.context, text, t_received, t_acquired, t_acquired, t_done,
+                             self.last_tag, sqlstate, client.pins)
+                        )  # fmt: skip
                 self.last_tag = b""
             elif kind == _COPY_IN:
                 self.copy_in = True
