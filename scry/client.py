@@ -97,7 +97,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
     # dict keys, which makes every attribute access slower and __init__ 4x
     # slower; this object is touched on every message.
     __slots__ = (
-        "_addr", "_auth", "_closing_after_release", "_last_text", "_messages", "_named_texts",
+        "_addr", "_auth", "_last_text", "_messages", "_named_texts",
         "_paused_by_server", "_paused_waiting", "_queue", "_queued_bytes", "_queued_owed",
         "_reader", "_retried", "_scanner", "_startup_buf", "_syncs_since_execute",
         "_unnamed_open", "_unnamed_rest", "_unnamed_text", "_unsynced", "answered",
@@ -168,7 +168,6 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
 
         self._paused_waiting = False
         self._paused_by_server = False
-        self._closing_after_release = False
 
     # --- asyncio callbacks -----------------------------------------------------
 
@@ -325,12 +324,8 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
             self._cleanup("client closed")
 
     def _relay_query(self, out: bytes, body: bytes) -> None:
-        """:meth:`_relay` for the commonest chunk by far: one simple Query, whole.
-
-        The same steps as the general loop, for one Query, without its list
-        of texts and its branches; on the server it keeps, a parked client's
-        transaction starts with no call into the pool unless the pool is
-        paused or its breaker is not closed."""
+        """:meth:`_relay` for the commonest chunk by far: one simple Query, whole
+        (the general loop's steps for one Query, without its list of texts)."""
         self._syncs_since_execute = 0
         self._unnamed_open = False  # a simple Query drops the unnamed statement
         ordinal = self.ordinal = self.ordinal + 1
@@ -340,23 +335,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         if self.observed:
             self.inflight.append((REC_QUERY, body, perf_counter_ns()))
         self.last_active = monotonic()
-        if self.parked:
-            pool = self.pool
-            if pool.breaker.state is BREAKER_CLOSED and not pool.paused:  # type: ignore[union-attr]
-                self.parked = False
-                pool.parked.pop(self, None)  # type: ignore[union-attr]
-            else:
-                self._unpark()
-        server = self.server
-        if server is None:
-            self._forward(out, 1, len(out))
-            return
-        self.unanswered = None
-        if not server.pending:
-            server.busy_since = monotonic()
-        server.pending += 1
-        server.statements.segments_sent += 1
-        server.transport.write(out)  # type: ignore[union-attr]
+        self._forward(out, 1, len(out))
 
     def _forward(self, payload: bytes | list[tuple[int, bytes]], owed: int, size: int) -> None:
         """Send to our server, or queue and ask the pool for one."""
@@ -427,9 +406,8 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         if self.proxy.draining:
             self.fatal(ADMIN_SHUTDOWN, "scry is shutting down")
             return
-        breaker = pool.breaker
-        if breaker.state is not BREAKER_CLOSED and not breaker.allow():  # (allow(), inlined)
-            self._reject_queued(*breaker.rejection_message(pool.target.name))
+        if not pool.breaker.allow():
+            self._reject_queued(*pool.breaker.rejection_message(pool.target.name))
             return
         server = pool.acquire_nowait()
         if server is not None:
@@ -505,10 +483,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
 
     def on_server_ready(self, server: ServerConnection) -> None:
         """The server answered everything and is idle: give it back if pooling allows."""
-        if not self.transaction_pooling or self._unsynced:
-            return
-        messages = self._messages  # _at_boundary, inlined
-        if messages.buffered if messages is not None else not self._scanner.at_boundary:
+        if not self.transaction_pooling or not self._at_boundary():
             return
         tracker = self.tracker
         if tracker is not None and tracker.pinned:

@@ -222,8 +222,7 @@ class Pool:
     def wait(self, client: ClientConnection) -> None:
         """Queue ``client`` (FIFO) until a server is released or opened for it."""
         self.waiters.append(client)
-        if self.settings.reserve_size or len(self.servers) + self.connecting < self.settings.size:
-            self._open_for_waiters()  # (a full pool with no reserve has nothing to open)
+        self._open_for_waiters()
 
     def cancel_wait(self, client: ClientConnection) -> None:
         try:
@@ -275,11 +274,11 @@ class Pool:
     # --- opening servers -----------------------------------------------------------
 
     def _open_for_waiters(self) -> None:
-        if self.paused:
-            return
+        reserve = self.settings.reserve_size
+        if self.paused or (not reserve and len(self.servers) + self.connecting >= self.size):
+            return  # (a full pool with no reserve has nothing to open)
         servers, waiters = len(self.servers), self.waiters
         want = min(len(waiters), self.size - servers)
-        reserve = self.settings.reserve_size
         overdue = 0
         if reserve and want < len(waiters):
             # PgBouncer's reserve_pool: a client queued longer than reserve_pool_timeout

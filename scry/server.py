@@ -349,17 +349,10 @@ class ServerConnection(asyncio.Protocol):
                 if inflight:
                     if inflight[0][0] == REC_SYNC:
                         inflight.popleft()  # the end of an extended-protocol batch
-                    else:  # a simple Query (or FunctionCall) is complete: _record, inlined
+                    else:  # a simple Query (or FunctionCall) is complete
                         if not t_done:
                             t_done = perf_counter_ns()
-                        _, text, t_received = inflight.popleft()
-                        t_acquired = client.t_acquired
-                        if t_acquired < t_received:
-                            t_acquired = t_received
-                        self.observe(
-                            (client.context, text, t_received, t_acquired, t_acquired, t_done,
-                             self.last_tag, sqlstate, client.pins)
-                        )  # fmt: skip
+                        self._record(client, self.last_tag, sqlstate, t_done)
                 self.last_tag = b""
             elif kind == _COPY_IN:
                 self.copy_in = True
