@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 
+import httpx
 import psycopg
 import pytest
 
@@ -293,6 +294,18 @@ def fuzz_client(port: int, seed: int, deadline: float, stats: Stats) -> None:
             sock.close()
 
 
+def proxy_state(admin_port: int) -> str:
+    """The admin API's view of pools, clients and servers, for a failure message."""
+    out = []
+    for what in ("pools", "clients", "servers", "breaker"):
+        try:
+            body = httpx.get(f"http://127.0.0.1:{admin_port}/api/v1/{what}", timeout=5).text
+        except httpx.HTTPError as exc:
+            body = f"({exc})"
+        out.append(f"--- {what}: {body}\n")
+    return "".join(out)
+
+
 # --- the test -----------------------------------------------------------------------------------
 
 
@@ -303,6 +316,9 @@ def test_wire_fuzz_many_clients(scry_proxy, pg) -> None:
         conn.execute("drop table if exists fz_copy")
         conn.execute("create table fz_copy (x int)")
     url = pg.url(options="-c statement_timeout=3000")  # caps what a mutated query can cost
+    with socket.socket() as s:  # the admin API, for a state dump when something is stuck
+        s.bind(("127.0.0.1", 0))
+        admin_port = s.getsockname()[1]
     proxy = scry_proxy(
         {
             "database_url": None,
@@ -313,6 +329,7 @@ def test_wire_fuzz_many_clients(scry_proxy, pg) -> None:
             "auth": {"type": "trust"},
             "max_packet_size": 65536,
             "timeouts": {"client_login_timeout": 3, "query_wait_timeout": 4},
+            "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}"},
         }
     )
     seed = int(os.environ.get("SCRY_FUZZ_SEED", random.randrange(1 << 30)))
@@ -333,10 +350,29 @@ def test_wire_fuzz_many_clients(scry_proxy, pg) -> None:
     assert stats.logins > 50 and stats.actions > 200, "the fuzzer barely ran"
     assert proxy.returncode is None, proxy.log_tail()
 
-    # A normal client of every database is served.
+    # A normal client of every database is served (in a thread: a stuck one must
+    # fail with the proxy's state, not hang until the test's timeout).
     for name in DATABASES:
-        with psycopg.connect(**{**proxy.conninfo(), "dbname": name}, autocommit=True) as conn:
-            assert conn.execute("select 'alive'").fetchone() == ("alive",)
+        answer: list[object] = []
+
+        def alive(name: str = name, answer: list[object] = answer) -> None:
+            try:
+                with psycopg.connect(
+                    **{**proxy.conninfo(), "dbname": name}, autocommit=True
+                ) as conn:
+                    answer.append(conn.execute("select 'alive'").fetchone())
+            except Exception as exc:
+                answer.append(exc)
+
+        checker = threading.Thread(target=alive, daemon=True)
+        checker.start()
+        checker.join(20)
+        if answer != [("alive",)]:
+            pytest.fail(
+                f"seed {seed}: a normal client of {name} got {answer or 'no answer in 20 s'}\n"
+                + proxy_state(admin_port)
+                + proxy.log_tail(80)
+            )
 
     # No leaked server: at most the pools' sizes, all idle.
     pids = [int(p) for p in re.findall(r"server connected .*?backend_pid=(\d+)", proxy.log_text())]
