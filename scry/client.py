@@ -42,7 +42,7 @@ from scry.protocol.errors import (
 )
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ClientStatements
-from scry.server import REC_EXECUTE, REC_QUERY, REC_SYNC, ServerConnection
+from scry.server import REC_EXECUTE, REC_QUERY, ServerConnection
 
 if TYPE_CHECKING:
     from scry.proxy import Proxy
@@ -206,6 +206,15 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         """Statement pooling: a transaction block was opened, which it cannot serve."""
         self.fatal(PROTOCOL_VIOLATION, "transaction blocks not allowed in statement pooling mode")
 
+    def refuse_stream(self, exc: ProtocolViolation) -> None:
+        """A malformed message: FATAL for this client. The chunk that held it is
+        dropped whole, and may have held the end of a message whose start already
+        reached PostgreSQL, so our server is closed, never reused."""
+        server = self.server
+        if server is not None:
+            server.desynced = True
+        self.fatal(exc.sqlstate, str(exc))
+
     def query_timed_out(self, limit: float) -> None:
         """query_timeout: cancel the query on PostgreSQL, close this client (PgBouncer's way)."""
         pool = self.pool
@@ -229,7 +238,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         try:
             out, events = self._scanner.feed(data)
         except ProtocolViolation as exc:
-            self.fatal(exc.sqlstate, str(exc))
+            self.refuse_stream(exc)
             return
         if len(events) == 1 and events[0][0] == _Q:
             self._relay_query(out, events[0][2])
@@ -297,7 +306,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
                 self.stats.received -= 5  # PgBouncer does not count the Terminate
                 break
             else:  # CopyDone / CopyFail
-                owed -= self._copy_ignored_syncs(texts)
+                self._close_copy_window()
         self.ordinal += owed
         if texts:
             if len(texts) == 1:
@@ -344,7 +353,12 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         server = self.server
         if server is not None:
             self.unanswered = None  # more than the first batch: no longer retryable
-            data = payload if isinstance(payload, bytes) else self._render(payload, server)
+            if isinstance(payload, bytes):
+                data = payload
+            else:
+                data = self._render(payload, server)
+                if self.state is CLOSED:
+                    return  # refused while rewriting
             if not server.pending:
                 server.busy_since = monotonic()
             server.pending += owed
@@ -361,28 +375,16 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         if self.state is READY:
             self._get_server()
 
-    def _copy_ignored_syncs(self, texts: list[tuple[int, bytes]] | None) -> int:
-        """PostgreSQL ignores Sync during COPY FROM STDIN: a Sync sent after the
-        Execute that started the copy earns no ReadyForQuery. Returns how many.
-
-        Only while a COPY FROM STDIN is really running: outside one PostgreSQL
-        ignores CopyDone/CopyFail and answers every Sync."""
-        ignored = self._syncs_since_execute
+    def _close_copy_window(self) -> None:
+        """CopyDone or CopyFail: PostgreSQL may have ignored the Syncs sent since
+        the COPY began; our server settles that when it sees how the COPY ended."""
+        syncs = self._syncs_since_execute
         self._syncs_since_execute = 0
-        if self.server is None or not self.server.copy_in:
-            return 0
-        for _ in range(ignored):
-            # Forget the newest Sync marker still queued (here or already in flight).
-            for queue in (texts, self.inflight):
-                if queue:
-                    for i in range(len(queue) - 1, -1, -1):
-                        if queue[i][0] == REC_SYNC:
-                            del queue[i]
-                            break
-                    else:
-                        continue
-                    break
-        return ignored
+        server = self.server
+        if server is not None:
+            server.copy_window_closed(syncs)
+        # (With no server the data is queued and no COPY runs yet: every Sync counts
+        # as answered, which at worst keeps the next server until this client leaves.)
 
     def _note_inflight(self, texts: list[tuple[int, bytes]]) -> None:
         now = perf_counter_ns()
@@ -470,6 +472,8 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
                         payload if isinstance(payload, bytes) else self._render(payload, server)
                     )
                     statements.segments_sent += owed
+                if self.state is CLOSED:
+                    return  # refused while rewriting
                 data = b"".join(parts)
             # Kept until the server answers: if it dies first, nothing ran and
             # the same messages can go to another server.

@@ -65,6 +65,7 @@ class MessageModeRelay:
         try:
             data = rewrite_statements(messages, self.statements, server.statements)
         except ProtocolViolation as exc:
+            server.desynced = True  # earlier batches went to it; this one is dropped
             self.fatal(exc.sqlstate, str(exc))
             return b""
         self.stats.server_parse_count += server.statements.parses_sent - before
@@ -98,7 +99,7 @@ class MessageModeRelay:
         try:
             messages = reader.messages()
         except ProtocolViolation as exc:
-            self.fatal(exc.sqlstate, str(exc))
+            self.refuse_stream(exc)
             return
         if not messages:
             return
@@ -157,7 +158,7 @@ class MessageModeRelay:
                     self.stats.received -= 5  # PgBouncer does not count the Terminate
                     break
                 elif kind in (_COPY_DONE, _COPY_FAIL):
-                    owed -= self._copy_ignored_syncs(texts)
+                    self._close_copy_window()
                 size += len(body) + 5
         except (ValueError, IndexError):  # a body cut short of its fields
             self.fatal(PROTOCOL_VIOLATION, "malformed extended-protocol message")

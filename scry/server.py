@@ -69,6 +69,13 @@ _EMPTY_QUERY = m.EMPTY_QUERY_RESPONSE[0]
 _PORTAL_SUSPENDED = m.PORTAL_SUSPENDED[0]
 _CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 
+# ``ServerConnection.copy`` bits: PostgreSQL ignores a Sync it reads while in
+# COPY FROM STDIN, so the Syncs a client sends inside a COPY are settled only
+# once the server shows how that COPY ended (see copy_window_closed).
+COPY_LIVE = 1  # CopyInResponse seen; the COPY has not ended yet
+COPY_WINDOW = 2  # the client ended its COPY data; copy_window Syncs came with it
+COPY_FAILED = 4  # the COPY failed before the client ended its data
+
 _ids = itertools.count(1)
 INTERNAL_QUERY_TIMEOUT = 2.0  # seconds for a reset or check query before the server is dropped
 
@@ -108,7 +115,7 @@ class ServerConnection(asyncio.Protocol):
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_login_waiter", "_reader", "_scanner", "_tls_answer", "applied", "backend_pid",
         "backend_secret", "breaker", "busy_since", "cancels_pending", "client", "close_reason",
-        "copy_in", "created_at", "id", "internal_error_fields", "last_tag", "last_used",
+        "copy", "copy_window", "created_at", "desynced", "id", "internal_error_fields", "last_tag", "last_used",
         "local_addr", "observe", "params", "paused_by_client", "pending", "pool", "proxy",
         "ready_at", "release_after_cancel", "retire", "sqlstate", "state", "statements",
         "stats", "swallow", "tls", "transport", "tx_status", "xact_mark", "__weakref__"
@@ -144,7 +151,10 @@ class ServerConnection(asyncio.Protocol):
         self._tls_answer: asyncio.Future[bytes] | None = None
         self._internal_timer: asyncio.TimerHandle | None = None
         self._internal_answers = 0
-        self.copy_in = False  # PostgreSQL is reading COPY data from the client
+        self.copy = 0  # COPY_* bits; 0 outside COPY FROM STDIN
+        self.copy_window = 0  # Syncs sent inside the COPY being settled
+        # Its ReadyForQuery count can no longer be trusted: never given to anyone else.
+        self.desynced = False
         self.tls = False
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
@@ -307,6 +317,8 @@ class ServerConnection(asyncio.Protocol):
                     out = out[end - cut :]
                     cut = end
                     continue
+                if self.copy:
+                    self._copy_settled(client)
                 pending = self.pending = self.pending - 1
                 client.answered += 1
                 now = monotonic()
@@ -334,6 +346,8 @@ class ServerConnection(asyncio.Protocol):
                 if statements.expect:
                     statements.on_ready()
                 if pending <= 0:
+                    if pending < 0:
+                        self.desync("a ReadyForQuery nobody asked for")
                     release = status == _TX_IDLE
                     self.ready_at = now
                     if not release and client.statement_pooling:
@@ -355,10 +369,9 @@ class ServerConnection(asyncio.Protocol):
                         self._record(client, self.last_tag, sqlstate, t_done)
                 self.last_tag = b""
             elif kind == _COPY_IN:
-                self.copy_in = True
+                self.copy = (self.copy | COPY_LIVE) & ~COPY_FAILED
             elif kind == _C:
                 self.last_tag = body
-                self.copy_in = False
                 inflight = client.inflight
                 if inflight and inflight[0][0] == REC_EXECUTE:
                     if not t_done:
@@ -380,7 +393,8 @@ class ServerConnection(asyncio.Protocol):
                 self.params[name] = value
                 client.on_parameter_status(self, name, value)
             elif kind == _E and not self.swallow:
-                self.copy_in = False
+                if self.copy & COPY_LIVE:
+                    self._copy_failed()
                 self.statements.on_error()
                 fields = m.parse_fields(body)
                 self.sqlstate = fields.get("C", "XX000")
@@ -428,13 +442,78 @@ class ServerConnection(asyncio.Protocol):
         except ProtocolViolation:
             events = [(_E, 0, b"")]
         for kind, _end, body in events:
-            if kind == _E:
+            if kind in (_E, _Z):  # an error, or an answer nobody asked for
                 client.drop_parked_server(self)
-                self.close(f"server error while idle: {m.parse_fields(body).get('M', '')}")
+                self.close(
+                    f"server error while idle: {m.parse_fields(body).get('M', '')}"
+                    if kind == _E
+                    else "unexpected ReadyForQuery while idle"
+                )
                 return
             if kind == _S:
                 name, value = m.parse_parameter_status(body)
                 self.params[name] = value
+
+    # --- COPY FROM STDIN: Syncs PostgreSQL ignores -------------------------------
+
+    def copy_window_closed(self, syncs: int) -> None:
+        """The client sent CopyDone or CopyFail, after ``syncs`` Syncs since its
+        last Query or Execute (libpq sends one right after the Execute of a COPY).
+
+        PostgreSQL ignores the Syncs it reads while in COPY and answers the
+        others. If the COPY ends well, it read them all in COPY: they are settled
+        at the next ReadyForQuery. If it failed, which ones it read before
+        failing cannot be known: they are counted as answered, so the server may
+        wait for one answer too many, but is never released while it still owes
+        one, and it is not reused.
+        """
+        copy = self.copy
+        if copy & COPY_FAILED:
+            self.copy = copy & ~COPY_FAILED
+            if syncs:
+                self.desync("Syncs sent inside a COPY that failed")
+        elif copy & COPY_WINDOW:
+            if syncs or self.copy_window:
+                self.desync("Syncs sent inside overlapping COPYs")
+        else:
+            self.copy = copy | COPY_WINDOW
+            self.copy_window = syncs
+
+    def _copy_failed(self) -> None:
+        """ErrorResponse while in COPY: the COPY is over."""
+        copy = self.copy & ~COPY_LIVE
+        if copy & COPY_WINDOW:
+            if self.copy_window:
+                self.desync("Syncs sent inside a COPY that failed")
+            self.copy = copy & ~COPY_WINDOW
+        else:
+            self.copy = copy | COPY_FAILED  # settled when the client ends its data
+
+    def _copy_settled(self, client: ClientConnection) -> None:
+        """A ReadyForQuery: PostgreSQL is out of COPY. If the COPY ended well,
+        the Syncs sent inside it earned no ReadyForQuery: count them answered."""
+        copy, self.copy = self.copy, 0
+        if copy & COPY_LIVE and copy & COPY_WINDOW and self.copy_window:
+            ignored = self.copy_window
+            self.pending -= ignored
+            client.answered += ignored
+            self.statements.segments_done += ignored
+            inflight = client.inflight
+            for _ in range(ignored):  # their end-of-batch markers, oldest first
+                for i, item in enumerate(inflight):
+                    if item[0] == REC_SYNC:
+                        del inflight[i]
+                        break
+        self.copy_window = 0
+        # (Anything else left here was a CopyDone outside any COPY, or a COPY
+        # that failed; in both cases every Sync was counted as answered.)
+
+    def desync(self, why: str) -> None:
+        """This server's answers can no longer be counted: keep it from anyone else."""
+        if not self.desynced:
+            self.desynced = True
+            event("server answers out of step; it will be closed, not reused",
+                  logging.WARNING, server=self.id, why=why)  # fmt: skip
 
     def _record(
         self, client: ClientConnection, tag: bytes, sqlstate: str | None, t_done: int
@@ -461,6 +540,9 @@ class ServerConnection(asyncio.Protocol):
             if kind == _E:
                 fields = m.parse_fields(body)
                 self.close(f"server error while idle: {fields.get('M', '')}")
+                return
+            if kind == _Z:
+                self.close("unexpected ReadyForQuery while idle")
                 return
             if kind == _S:
                 name, value = m.parse_parameter_status(body)
@@ -541,6 +623,7 @@ class ServerConnection(asyncio.Protocol):
         self.state = ACTIVE
         self.client = client
         self.pending = 0
+        self.copy = 0
         statements = self.statements
         if statements.expect:  # all answered while idle; nothing may linger
             statements.expect.clear()
@@ -572,6 +655,7 @@ class ServerConnection(asyncio.Protocol):
             and self.swallow == 0
             and self.tx_status == _TX_IDLE
             and self._scanner.at_boundary
+            and not self.desynced
         )
 
     # --- flow control: the client cannot take more, so stop reading the server --

@@ -215,6 +215,36 @@ def test_absurd_message_length_after_login(scry_proxy, message: bytes) -> None:
     assert psycopg_works(proxy)
 
 
+@pytest.mark.parametrize("mode", ["transaction", "session"])
+def test_bad_header_after_half_a_message_leaves_no_dirty_server(scry_proxy, mode: str) -> None:
+    # The first half of a Query reaches PostgreSQL with a whole one before it;
+    # the chunk with the rest also holds an absurd header, so scry refuses it.
+    # PostgreSQL is then still waiting for the rest of that Query: the server
+    # must be closed, not given to the next client, whose bytes would finish
+    # the old message (a hang, or "invalid frontend message type").
+    proxy = scry_proxy({**TRUST, "pool": {"mode": mode, "size": 1}})
+    sock = raw_login(proxy.port)
+    with sock:
+        split = query_message("select 'split across chunks'")
+        sock.sendall(query_message("select 1") + split[:12])
+        sock.settimeout(5)
+        answer = b""
+        while not answer.endswith(b"Z\x00\x00\x00\x05I"):
+            answer += sock.recv(65536)  # the whole Query was answered: both were forwarded
+        sock.sendall(split[12:] + b"Q" + struct.pack("!I", 0x7FFFFFFF))
+        assert_fatal_or_closed(read_all(sock, timeout=5))
+    with raw_login(proxy.port) as sock:  # (raw, with a timeout: a misaligned backend is silent)
+        sock.sendall(query_message("select 41 + 1"))
+        sock.settimeout(5)
+        answer = b""
+        while not answer.endswith(b"Z\x00\x00\x00\x05I"):
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        assert [k for k, _ in split_messages(answer)] == ["T", "D", "C", "Z"], answer
+        assert b"42" in answer
+
+
 def test_unknown_message_type_after_login(scry_proxy) -> None:
     proxy = scry_proxy(TRUST)
     sock = raw_login(proxy.port)

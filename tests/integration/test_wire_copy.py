@@ -13,6 +13,7 @@ import asyncio
 import io
 import os
 import re
+import socket
 import struct
 import subprocess
 import threading
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import asyncpg
+import httpx
 import pg8000.native
 import psycopg
 import psycopg.errors
@@ -507,3 +509,57 @@ def test_server_stays_with_client_during_copy(proxies, pg, mode: str) -> None:
     assert count(pg, tag) == 40 * POOL_SIZE
     with direct(pg) as conn:
         conn.execute(f"delete from {TABLE} where tag = %s", (tag,))
+
+
+def pools_waiting(admin_port: int) -> int:
+    """Clients queued for a server, summed over the proxy's pools (-1: API not up)."""
+    try:
+        body = httpx.get(f"http://127.0.0.1:{admin_port}/api/v1/pools", timeout=2).json()
+    except httpx.HTTPError:
+        return -1
+    return sum(p["waiting"] for p in body["pools"])
+
+
+def test_sync_inside_failing_copy_never_frees_the_server_early(
+    scry_proxy, pg, tables, wait_until
+) -> None:
+    # A client sends a bad row, a Sync and CopyDone in one go while PostgreSQL
+    # is in COPY. PostgreSQL fails the COPY on the row, answers the Query and
+    # then answers the Sync too (it is no longer in COPY when it reads it): two
+    # ReadyForQuery. A proxy that assumed the Sync was ignored would hand the
+    # server to the next client after the first one, and the second would
+    # reach that client as a stray answer. Both servers are busy so that a
+    # waiting client gets the server the moment it looks free.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        admin_port = s.getsockname()[1]
+    proxy = scry_proxy(
+        {
+            "pool": {"mode": "transaction", "size": 2},
+            "auth": {"type": "trust"},
+            "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}"},
+        }
+    )
+    wait_until(lambda: pools_waiting(admin_port) >= 0, 10, what="admin API")
+    copier, holder, waiter = Raw(proxy.port), Raw(proxy.port), Raw(proxy.port)
+    try:
+        holder.send(q("begin"))
+        holder.until_ready()
+        copy_in_start(copier, False, f"copy {TABLE} (id, tag, note) from stdin")
+        waiter.send(q("select 'waiter'"))
+        wait_until(lambda: pools_waiting(admin_port) == 1, 10, what="the waiter queued")
+        copier.send(copy_data(b"not-a-number\tx\ty\n"), SYNC, COPY_DONE)
+        got = copier.until_ready()
+        assert kinds(got) == "EZ", got
+        assert fields(got[0][1])["C"] == "22P02"
+        assert kinds(copier.until_ready()) == "Z"  # the Sync, read after the COPY failed
+        holder.send(q("commit"))
+        holder.until_ready()
+        got = waiter.until_ready()
+        assert kinds(got) == "TDCZ", f"the waiter got a stray message: {got}"
+        assert got[1][1].endswith(b"waiter")
+        waiter.nothing_extra()
+        copier.nothing_extra()
+    finally:
+        for raw in (copier, holder, waiter):
+            raw.close()
