@@ -178,7 +178,8 @@ def test_scry_tail_json_and_restart(tail_proxy, tmp_path: Path) -> None:
             assert later["type"] == "query" and later["ts"] > first[-1]["ts"]
             assert tail.poll() is None
             tail.send_signal(signal.SIGINT)
-            assert tail.wait(10) == 0
+            tail.communicate(timeout=10)  # (read on: a full pipe would block its last print)
+            assert tail.returncode == 0
         finally:
             if tail.poll() is None:
                 tail.kill()

@@ -25,8 +25,10 @@ def _run_before(view: str, rounds: int = 3, keys: tuple[str, ...] = (), down: st
             app.fakes[down].down = True
             await refreshed(pilot, app, 1, app.clock)
         if keys:
+            # A blinking cursor would make the picture depend on the machine's speed.
+            for widget in app.query("Input"):
+                widget.cursor_blink = False
             await pilot.press(*keys)
-            await pilot.pause(0.3)
         await pilot.pause()
 
     return run_before
