@@ -20,7 +20,7 @@ from collections import deque
 
 from scry.client import READY, ClientConnection
 from scry.config import Config
-from scry.hybrid import SessionTracker
+from scry.hybrid import SessionTracker, TransactionTracker
 from scry.protocol import messages as m
 from scry.proxy import Proxy
 from scry.server import IDLE, ServerConnection
@@ -72,8 +72,13 @@ def _client(proxy: Proxy, pool: object) -> ClientConnection:
     client.state = READY
     client.pool = pool  # type: ignore[assignment]
     client.stats = pool.stats  # type: ignore[attr-defined]
-    client.tracker = SessionTracker(client.id, pinning=False)  # as in transaction mode
     client.observed = "--no-observe" not in sys.argv
+    # As in transaction mode: the drain warns about session state when it runs.
+    client.tracker = (
+        TransactionTracker(client.id)
+        if client.observed
+        else SessionTracker(client.id, pinning=False)
+    )
     return client
 
 

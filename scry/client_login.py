@@ -19,7 +19,7 @@ import asyncio.sslproto
 import logging
 import ssl
 
-from scry.hybrid import SessionTracker
+from scry.hybrid import SessionTracker, TransactionTracker
 from scry.log import event, logging_info
 from scry.observe.record import ClientContext
 from scry.pool import connect_error
@@ -279,8 +279,10 @@ class ClientLogin:
         mode = self.pool.mode
         self.transaction_pooling = mode != "session"
         self.statement_pooling = mode == "statement"
-        if mode != "session":
+        if mode == "hybrid" or (mode != "session" and not proxy.observatory.enabled):
             self.tracker = SessionTracker(self.id, pinning=mode == "hybrid")
+        elif mode != "session":
+            self.tracker = TransactionTracker(self.id)  # the drain warns, off the query path
         self._auth = ClientAuthExchange(
             proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
         )

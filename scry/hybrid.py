@@ -16,12 +16,17 @@ deciding the fate of changes made inside a transaction block.
   server before the client's next query.
 * transaction: nothing pins (PgBouncer's behaviour); the first statement that
   leaves session state is logged once per client, naming the statement kind.
+  While the observatory runs, that check is its drain's, off the query path
+  (``TransactionTracker``): the relay then only looks for DISCARD and
+  DEALLOCATE, whose effect on the server scry must know.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from scry.log import event
@@ -47,7 +52,7 @@ FOLLOWED_SETTINGS = frozenset(
 )
 
 
-def _unfollowed(effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
+def unfollowed(effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
     return tuple(e for e in effects if not (e.reason == "set" and e.key in FOLLOWED_SETTINGS))
 
 
@@ -94,13 +99,13 @@ class SessionTracker:
     def on_query(self, body: bytes, ordinal: int) -> None:
         """A Query message, completed by ReadyForQuery number ``ordinal``."""
         effects = classify_bytes(body)
-        if effects and (effects := _unfollowed(effects)):
+        if effects and (effects := unfollowed(effects)):
             self.queued.append((ordinal, effects, body))
             self.work = True
 
     def on_parse(self, text: bytes) -> None:
         """A Parse message: its effects land with the next Sync."""
-        effects = _unfollowed(classify(text.decode("utf-8", "replace")))
+        effects = unfollowed(classify(text.decode("utf-8", "replace")))
         self._parse_effects = (effects, text) if effects else None
 
     def on_sync(self, ordinal: int) -> None:
@@ -158,13 +163,17 @@ class SessionTracker:
             elif not pinned:
                 self.pinned_since = 0.0
             return
-        if pinned and not self._warned:
-            self._warned = True
-            kinds = ", ".join(self.state.reasons())
-            event("session state in transaction pooling: it may leak to other clients",
-                  logging.WARNING, client=self.client_id, kinds=kinds,
-                  hint="use pool.mode hybrid or session")  # fmt: skip
+        if pinned:
+            self.warn(self.state.reasons())
             self.state.clear()
+
+    def warn(self, reasons: Iterable[str]) -> None:
+        """Transaction pooling: say once that this client leaves session state."""
+        if not self._warned:
+            self._warned = True
+            event("session state in transaction pooling: it may leak to other clients",
+                  logging.WARNING, client=self.client_id, kinds=", ".join(reasons),
+                  hint="use pool.mode hybrid or session")  # fmt: skip
 
     # --- replay -----------------------------------------------------------------------
 
@@ -173,3 +182,33 @@ class SessionTracker:
 
     def replay_sql(self) -> str:
         return ";".join(self.state.replay_statements())
+
+
+# The statements whose effect on the server itself scry must follow: DISCARD
+# ALL (settings and prepared statements gone) and DEALLOCATE [ALL].
+_SERVER_RESETS = re.compile(rb"(?i)discard|deallocate")
+
+
+class TransactionTracker(SessionTracker):
+    """Transaction mode while the observatory runs.
+
+    The relay classifies only texts that may hold DISCARD or DEALLOCATE (a
+    regex, a third of a classification); the warning about other session
+    state comes from the observatory's drain, which classifies each query
+    shape once and calls :meth:`warn` (see ``Proxy._session_state_seen``).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, client_id: str) -> None:
+        super().__init__(client_id, pinning=False)
+
+    def on_query(self, body: bytes, ordinal: int) -> None:
+        if _SERVER_RESETS.search(body) is not None:
+            SessionTracker.on_query(self, body, ordinal)
+
+    def on_parse(self, text: bytes) -> None:
+        if _SERVER_RESETS.search(text) is not None:
+            SessionTracker.on_parse(self, text)
+        else:
+            self._parse_effects = None

@@ -22,10 +22,13 @@ from scry.auth import AuthPolicy
 from scry.breaker import CLOSED, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
 from scry.health import HealthMonitor
+from scry.hybrid import TransactionTracker, unfollowed
 from scry.log import event, setup_logging
 from scry.observe.pipeline import Observatory
+from scry.observe.record import ClientContext
 from scry.peering import KEY_MASK, Peering, new_cancel_key
 from scry.pool import Pool
+from scry.protocol.classify import Effect
 from scry.tls import client_tls, server_tls
 from scry.workers import WorkerIdentity
 
@@ -64,6 +67,7 @@ class Proxy:
         self.breakers: dict[str, CircuitBreaker] = {}
         self.health: dict[str, HealthMonitor] = {}
         self.observatory.query_batch_listeners.append(self._feed_health)
+        self.observatory.session_state_listeners.append(self._session_state_seen)
         self._stopped = asyncio.Event()
         self._janitor: asyncio.Task[None] | None = None
         self.admin: AdminServer | None = None  # the admin HTTP API (scry.adminapi)
@@ -269,6 +273,19 @@ class Proxy:
             from_state=str(transition.from_state),
             to_state=str(transition.to_state),
         ).inc()
+
+    def _session_state_seen(
+        self, effects: tuple[Effect, ...], contexts: list[ClientContext]
+    ) -> None:
+        # From the drain: these clients ran statements with session effects. A
+        # transaction-mode client is warned about once (TransactionTracker).
+        reasons = sorted({e.reason for e in unfollowed(effects) if e.op == "pin"})
+        if not reasons:
+            return
+        ids = {context.client_id for context in contexts}
+        for client in self.clients:
+            if client.id in ids and isinstance(client.tracker, TransactionTracker):
+                client.tracker.warn(reasons)
 
     def _feed_health(
         self, database: str, latencies_ns: Sequence[int], sqlstates: Sequence[str | None]

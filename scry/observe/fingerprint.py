@@ -55,7 +55,15 @@ from scry.observe.lexer import (
 class Shape:
     """What is known about one query shape; shared by all its texts."""
 
-    __slots__ = ("fingerprint", "normalized", "tables", "parsed", "eq_lookups", "lookup_columns")
+    __slots__ = (
+        "fingerprint",
+        "normalized",
+        "tables",
+        "parsed",
+        "eq_lookups",
+        "lookup_columns",
+        "session_effects",
+    )
 
     def __init__(
         self,
@@ -79,6 +87,9 @@ class Shape:
         self.eq_lookups = eq_lookups
         #: (qualifier, column) -> "table.column" for every simple lookup.
         self.lookup_columns = lookup_columns
+        #: What its statements do to session state (``scry.protocol.classify``),
+        #: worked out by the pipeline from its first text when someone listens.
+        self.session_effects: tuple[Any, ...] | None = None
 
 
 #: ``bytes.translate`` table of the variant key: every digit becomes ``0``.

@@ -57,10 +57,11 @@ from scry.observe.events import EventBlock, EventRing, Subscription, event_dict,
 from scry.observe.fingerprint import DIGITS_TO_ZERO, Fingerprinter, Shape, Variant
 from scry.observe.histogram import add_sorted_ns
 from scry.observe.metrics import ObserveMetrics
-from scry.observe.record import QueryRecord
+from scry.observe.record import CONTEXT, SQLSTATE, TEXT, QueryRecord
 from scry.observe.sinks import EventShipper, Sink, make_sink
 from scry.observe.sketch import HotData
 from scry.observe.stats import StatsTable
+from scry.protocol.classify import classify_bytes
 from scry.protocol.messages import parse_command_rows
 
 
@@ -107,6 +108,10 @@ class Observatory:
         self.query_batch_listeners: list[
             Callable[[str, Sequence[int], Sequence[str | None]], None]
         ] = []
+        # Told, from the drain, which clients ran statements that leave session
+        # state: called with (effects, contexts of the statements that succeeded)
+        # per query shape whose statements have effects (scry.protocol.classify).
+        self.session_state_listeners: list[Callable[[tuple[Any, ...], list[Any]], None]] = []
         self.metrics.set_pipeline_stats_provider(self._pipeline_counters)
         events = config.events
         self.ring = EventRing(events.buffer_capacity)
@@ -287,6 +292,15 @@ class Observatory:
         summary = _Summary(values, bool(self.query_listeners or self.query_batch_listeners))
         for shape, recs in by_shape.items():
             self._summarize_group(summary, shape, recs)
+        if self.session_state_listeners:
+            for shape, recs in by_shape.items():
+                effects = shape.session_effects
+                if effects is None:  # once per shape: its literals do not change its effects
+                    effects = shape.session_effects = classify_bytes(recs[0][TEXT])
+                if effects:
+                    ran = [r[CONTEXT] for r in recs if r[SQLSTATE] is None]
+                    if ran:
+                        summary.session.append((effects, ran))
         if self._ship_events or self._subscribers:
             summary.events = self._events(batch, variants)
         return summary
@@ -447,6 +461,12 @@ class Observatory:
                     as_dict = event_dict(event)
                     for subscription in self._subscribers:
                         subscription.offer(as_dict)
+        for effects, contexts in summary.session:
+            for session_listener in self.session_state_listeners:
+                try:
+                    session_listener(effects, contexts)
+                except Exception:  # a bug; never fatal
+                    self.record_failures += len(contexts)
 
     def _tell_listeners(
         self, listened: list[tuple[list[str], list[int], Sequence[str | None]]]
@@ -588,6 +608,7 @@ class _Summary:
         "backends",
         "pinned",
         "listened",
+        "session",
         "events",
     )
 
@@ -608,6 +629,8 @@ class _Summary:
         self.listened: list[tuple[list[str], list[int], tuple[str | None, ...]]] | None = (
             [] if listened else None
         )
+        #: (session effects, contexts that ran them) per shape with effects.
+        self.session: list[tuple[tuple[Any, ...], list[Any]]] = []
         #: The chunk's events, when a sink or the live tail wants them.
         self.events: EventBlock | None = None
 

@@ -229,6 +229,41 @@ def test_client_set_of_tracked_parameter_follows_client(scry_proxy) -> None:
         b.close()
 
 
+@pytest.mark.parametrize("fingerprinting", [True, False], ids=["drain", "query-path"])
+def test_session_state_in_transaction_mode_is_logged_once(
+    scry_proxy, wait_until, fingerprinting: bool
+) -> None:
+    # PgBouncer's behaviour (nothing pins) with a warning naming what may leak:
+    # with observability on, the drain classifies each query shape once; without
+    # it the relay classifies each statement. Either way: once per client, and
+    # only for statements that succeeded.
+    proxy = scry_proxy(
+        {
+            "pool": {"mode": "transaction", "size": 1},
+            "observability": {"fingerprinting": fingerprinting},
+        }
+    )
+    warning = "session state in transaction pooling"
+    with psycopg.connect(**proxy.conninfo(), autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.UndefinedObject):
+            conn.execute("set no_such_setting = 1")  # failed: nothing to warn about
+        conn.execute("select 1")
+        conn.execute("set timezone = 'UTC'")  # followed by scry: not session state
+        assert warning not in proxy.log_text()
+        for value in ("a", "b", "c"):
+            conn.execute(f"set search_path = {value}")
+        wait_until(lambda: warning in proxy.log_text(), 10, what="the warning")
+        conn.execute("set search_path = d")
+        conn.execute("prepare p as select 1")
+    with psycopg.connect(**proxy.conninfo(), autocommit=True) as other:
+        other.execute("select 2")
+        other.execute("set work_mem = '8MB'")
+        wait_until(lambda: proxy.log_text().count(warning) == 2, 10, what="the second client")
+    lines = [line for line in proxy.log_text().splitlines() if warning in line]
+    assert len(lines) == 2, lines
+    assert "kinds=set" in lines[0] and "kinds=set" in lines[1]
+
+
 # --- waiting for a server ------------------------------------------------------------------
 
 

@@ -337,3 +337,23 @@ def test_pipeline_error_leaves_client_and_pool_healthy(scry_proxy, mode: str) ->
             conn.close()
     log = proxy.log_text()
     assert "server connection lost" not in log, proxy.log_tail()
+
+
+@pytest.mark.parametrize("fingerprinting", [True, False], ids=["observed", "unobserved"])
+def test_discard_all_forgets_statements_in_transaction_mode(scry_proxy, fingerprinting) -> None:
+    # DISCARD ALL drops every prepared statement on the backend, scry's own
+    # included: scry must prepare again, whatever the letter case, and also
+    # when the relay leaves classification to the observatory.
+    proxy = scry_proxy(
+        {
+            "pool": {"mode": "transaction", "size": 1},
+            "observability": {"fingerprinting": fingerprinting},
+        }
+    )
+    with psycopg.connect(**proxy.conninfo(), autocommit=True, prepare_threshold=0) as conn:
+        for statement in ("Discard All", "DeAllocate aLL"):
+            for n in range(3):
+                assert conn.execute("select %s::int + 1", (n,)).fetchone() == (n + 1,)
+            conn.execute(statement, prepare=False)
+            for n in range(3):
+                assert conn.execute("select %s::int + 1", (n,)).fetchone() == (n + 1,)

@@ -243,6 +243,33 @@ def test_a_bad_record_does_not_stop_the_drain() -> None:
     assert obs.record_failures == 1 and obs.stats_summary()["queries"] == 1
 
 
+def test_session_state_listeners_hear_each_shape_with_effects() -> None:
+    # Off the query path: a shape is classified once; listeners get the
+    # contexts of the statements with effects that succeeded, nothing else.
+    clocks = Clocks()
+    obs = _observatory(clocks)
+    heard: list[tuple[tuple[str, ...], list[str]]] = []
+    obs.session_state_listeners.append(
+        lambda effects, contexts: heard.append(
+            (tuple(e.reason for e in effects), [c.client_id for c in contexts])
+        )
+    )
+    a, b, c = (ClientContext(name, "d", "u", "app") for name in ("a", "b", "c"))
+    for ctx, text, sqlstate in [
+        (a, "SELECT 1 FROM t WHERE id = 1", None),
+        (b, "SET search_path = 's1'", None),
+        (c, "SET search_path = 's2'", "42704"),
+        (a, "SET search_path = 's3'", None),
+        (c, "SELECT pg_advisory_lock(7)", None),
+    ]:
+        obs.record(_record(clocks, ctx, text, 10, sqlstate=sqlstate))
+    obs.drain()
+    assert sorted(heard) == [(("advisory_lock",), ["c"]), (("set",), ["b", "a"])]
+    obs.record(_record(clocks, a, "SELECT 2 FROM t WHERE id = 2", 10))
+    obs.drain()
+    assert len(heard) == 2  # a shape without effects: nothing
+
+
 def test_chunked_drain_equals_per_record_accounting() -> None:
     """The drain sums up per shape and per database; the result must be what
     counting every record on its own gives (StatsTable.add, observe_query)."""
