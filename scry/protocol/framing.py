@@ -28,6 +28,7 @@ from scry.protocol.errors import ProtocolViolation
 
 _LEN = struct.Struct("!I")
 _unpack_len = _LEN.unpack_from
+_unpack_header = struct.Struct("!BI").unpack_from  # (type, length) of a message at an offset
 
 DEFAULT_MAX_MESSAGE_SIZE = 0x3FFFFFFF  # PostgreSQL's own ceiling (MaxAllocSize - 1)
 DEFAULT_MAX_COLLECT = 1 << 20  # largest body the scanner copies out for the caller
@@ -184,30 +185,34 @@ class MessageScanner:
             self._remaining = 0
         want = self._want
         limit = self._max
-        while True:
-            if n - pos < 5:
-                if pos < n:
-                    self._held = data[pos:]
-                    data = data[:pos]
-                return data, events
-            kind = data[pos]
-            (length,) = _unpack_len(data, pos + 1)
+        max_collect = self._max_collect
+        append = events.append
+        while n - pos >= 5:
+            kind, length = _unpack_header(data, pos)
             if length < 4 or length - 4 > limit:
                 _check_length(kind, length, limit)
             end = pos + 1 + length
-            copy = want.get(kind)
             if end > n:
                 self._remaining = end - n
+                copy = want.get(kind)
                 if copy is not None:
                     self._kind = kind
                     self._collect = bytearray()
-                    self._collect_limit = self._max_collect if copy else 0
+                    self._collect_limit = max_collect if copy else 0
                     self._gather(self._collect, data[pos + 5 :])
                 return data, events
+            copy = want.get(kind)
             if copy is not None:
-                body = data[pos + 5 : min(end, pos + 5 + self._max_collect)] if copy else b""
-                events.append((kind, end, body))
+                if copy:
+                    stop = pos + 5 + max_collect
+                    append((kind, end, data[pos + 5 : end if end < stop else stop]))
+                else:
+                    append((kind, end, b""))
             pos = end
+        if pos < n:
+            self._held = data[pos:]
+            data = data[:pos]
+        return data, events
 
     def _gather(self, collect: bytearray, part: bytes) -> None:
         room = self._collect_limit - len(collect)
