@@ -98,7 +98,8 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
     # slower; this object is touched on every message.
     __slots__ = (
         "_addr", "_auth", "_last_text", "_messages", "_named_texts",
-        "_paused_by_server", "_paused_waiting", "_queue", "_queued_bytes", "_queued_owed",
+        "_early_syncs", "_paused_by_server", "_paused_waiting", "_queue", "_queued_bytes",
+        "_queued_owed",
         "_reader", "_retried", "_scanner", "_startup_buf", "_syncs_since_execute",
         "_unnamed_open", "_unnamed_rest", "_unnamed_text", "_unsynced", "answered",
         "application_name", "cancel_key", "connected_at", "connected_clock", "context",
@@ -164,6 +165,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         self.statements: ClientStatements | None = None
         self._queued_bytes = 0
         self._syncs_since_execute = 0
+        self._early_syncs = 0  # of those, sent right after it (libpq's Execute, Sync)
         self.waiting_since = 0  # perf_counter_ns() when it joined the pool's queue; 0 = not
 
         self._paused_waiting = False
@@ -249,12 +251,16 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         texts: list[tuple[int, bytes]] | None = [] if self.observed else None
         tracker = self.tracker
         to_messages = False
+        chain = -1  # where a Sync right after the last Query/Execute (or such a Sync) starts
         self.last_active = monotonic()
         for kind, end, body in events:
             # Query, Sync and FunctionCall are each answered by one ReadyForQuery.
             if kind == _SYNC:
                 owed += 1
                 self._syncs_since_execute += 1
+                if end - 5 == chain:  # (a COPY it starts ignores this Sync: see scry.server)
+                    chain = end
+                    self._early_syncs += 1
                 self._unsynced = False
                 if self._unnamed_open and self.transaction_pooling:
                     # Parsed, synced, not executed: the Bind may come on another server.
@@ -265,14 +271,16 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
                     tracker.on_sync(self.ordinal + owed)
             elif kind == _Q:
                 owed += 1
-                self._syncs_since_execute = 0
+                self._syncs_since_execute = self._early_syncs = 0
+                chain = end
                 self._unnamed_open = False  # a simple Query drops the unnamed statement
                 if texts is not None:
                     texts.append((REC_QUERY, body))
                 if tracker is not None:
                     tracker.on_query(body, self.ordinal + owed)
             elif kind == _EXECUTE:
-                self._syncs_since_execute = 0
+                self._syncs_since_execute = self._early_syncs = 0
+                chain = end
                 self._unsynced = True
                 self._unnamed_open = False
                 if texts is not None:
@@ -296,7 +304,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
                     return  # (the rewriting path counted the ordinals)
             elif kind == _F:
                 owed += 1
-                self._syncs_since_execute = 0
+                self._syncs_since_execute = self._early_syncs = 0
                 self._unsynced = False
                 if texts is not None:
                     texts.append(FUNCTION_CALL_MARK)
@@ -335,7 +343,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
     def _relay_query(self, out: bytes, body: bytes) -> None:
         """:meth:`_relay` for the commonest chunk by far: one simple Query, whole
         (the general loop's steps for one Query, without its list of texts)."""
-        self._syncs_since_execute = 0
+        self._syncs_since_execute = self._early_syncs = 0
         self._unnamed_open = False  # a simple Query drops the unnamed statement
         ordinal = self.ordinal = self.ordinal + 1
         tracker = self.tracker
@@ -378,11 +386,11 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
     def _close_copy_window(self) -> None:
         """CopyDone or CopyFail: PostgreSQL may have ignored the Syncs sent since
         the COPY began; our server settles that when it sees how the COPY ended."""
-        syncs = self._syncs_since_execute
-        self._syncs_since_execute = 0
+        syncs, early = self._syncs_since_execute, self._early_syncs
+        self._syncs_since_execute = self._early_syncs = 0
         server = self.server
         if server is not None:
-            server.copy_window_closed(syncs)
+            server.copy_window_closed(syncs, early)
         # (With no server the data is queued and no COPY runs yet: every Sync counts
         # as answered, which at worst keeps the next server until this client leaves.)
 

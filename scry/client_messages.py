@@ -109,13 +109,18 @@ class MessageModeRelay:
         texts: list[tuple[int, bytes]] | None = [] if self.observed else None
         tracker = self.tracker
         self.last_active = monotonic()
+        chain = False  # the last message was a Query/Execute, or a Sync right after one
         try:
             for index, (kind, body) in enumerate(messages):
+                adjacent, chain = chain, False
                 if kind in _EXTENDED:
                     self._unsynced = True
                 if kind == _SYNC:
                     owed += 1
                     self._syncs_since_execute += 1
+                    if adjacent:  # (a COPY it starts ignores this Sync: see scry.server)
+                        chain = True
+                        self._early_syncs += 1
                     self._unsynced = False
                     if texts is not None:
                         texts.append(SYNC_MARK)
@@ -123,14 +128,16 @@ class MessageModeRelay:
                         tracker.on_sync(self.ordinal + owed)
                 elif kind in (_Q, _F):
                     owed += 1
-                    self._syncs_since_execute = 0
+                    self._syncs_since_execute = self._early_syncs = 0
+                    chain = kind == _Q
                     self._unnamed_open = False
                     if texts is not None:
                         texts.append((REC_QUERY, body) if kind == _Q else FUNCTION_CALL_MARK)
                     if tracker is not None and kind == _Q:
                         tracker.on_query(body, self.ordinal + owed)
                 elif kind == _EXECUTE:
-                    self._syncs_since_execute = 0
+                    self._syncs_since_execute = self._early_syncs = 0
+                    chain = True
                     self._unnamed_open = False
                     if texts is not None:
                         texts.append((REC_EXECUTE, self._last_text))

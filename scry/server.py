@@ -27,7 +27,7 @@ from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.auth import BackendAuthError, BackendAuthExchange
-from scry.protocol.errors import CONNECTION_FAILURE, ProtocolViolation
+from scry.protocol.errors import CONNECTION_FAILURE, PROTOCOL_VIOLATION, ProtocolViolation
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ServerStatements
 from scry.protocol.startup import cancel_request, ssl_request, startup_message
@@ -74,7 +74,8 @@ _CLOSE_COMPLETE = m.CLOSE_COMPLETE[0]
 # once the server shows how that COPY ended (see copy_window_closed).
 COPY_LIVE = 1  # CopyInResponse seen; the COPY has not ended yet
 COPY_WINDOW = 2  # the client ended its COPY data; copy_window Syncs came with it
-COPY_FAILED = 4  # the COPY failed before the client ended its data
+COPY_FAILED = 4  # the COPY failed (on its data) before the client ended its data
+COPY_BROKEN = 8  # ... failed on a message that was not COPY data (08P01)
 
 _ids = itertools.count(1)
 INTERNAL_QUERY_TIMEOUT = 2.0  # seconds for a reset or check query before the server is dropped
@@ -115,7 +116,7 @@ class ServerConnection(asyncio.Protocol):
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_login_waiter", "_reader", "_scanner", "_tls_answer", "applied", "backend_pid",
         "backend_secret", "breaker", "busy_since", "cancels_pending", "client", "close_reason",
-        "copy", "copy_window", "created_at", "desynced", "id", "internal_error_fields", "last_tag", "last_used",
+        "copy", "copy_early", "copy_window", "created_at", "desynced", "id", "internal_error_fields", "last_tag", "last_used",
         "local_addr", "observe", "params", "paused_by_client", "pending", "pool", "proxy",
         "ready_at", "release_after_cancel", "retire", "sqlstate", "state", "statements",
         "stats", "swallow", "tls", "transport", "tx_status", "xact_mark", "__weakref__"
@@ -152,7 +153,8 @@ class ServerConnection(asyncio.Protocol):
         self._internal_timer: asyncio.TimerHandle | None = None
         self._internal_answers = 0
         self.copy = 0  # COPY_* bits; 0 outside COPY FROM STDIN
-        self.copy_window = 0  # Syncs sent inside the COPY being settled
+        self.copy_window = 0  # Syncs sent inside the COPY being settled...
+        self.copy_early = 0  # ... of which right after the statement that started it
         # Its ReadyForQuery count can no longer be trusted: never given to anyone else.
         self.desynced = False
         self.tls = False
@@ -318,7 +320,7 @@ class ServerConnection(asyncio.Protocol):
                     cut = end
                     continue
                 if self.copy:
-                    self._copy_settled(client)
+                    self._copy_settled()
                 pending = self.pending = self.pending - 1
                 client.answered += 1
                 now = monotonic()
@@ -333,8 +335,16 @@ class ServerConnection(asyncio.Protocol):
                         stats.xact_count += 1
                         stats.xact_time += now - (self.xact_mark or self.busy_since)
                         self.xact_mark = 0.0
-                    elif not self.xact_mark:
-                        self.xact_mark = self.busy_since
+                        release = True
+                    else:
+                        release = False
+                        if not self.xact_mark:
+                            self.xact_mark = self.busy_since
+                        if client.statement_pooling:
+                            client.refuse_transaction_block()
+                    self.ready_at = now
+                    if pending < 0:
+                        self.desync("a ReadyForQuery nobody asked for")
                 tracker = client.tracker
                 if tracker is not None and tracker.work:
                     tracker.settle(
@@ -345,13 +355,6 @@ class ServerConnection(asyncio.Protocol):
                 statements.segments_done += 1
                 if statements.expect:
                     statements.on_ready()
-                if pending <= 0:
-                    if pending < 0:
-                        self.desync("a ReadyForQuery nobody asked for")
-                    release = status == _TX_IDLE
-                    self.ready_at = now
-                    if not release and client.statement_pooling:
-                        client.refuse_transaction_block()
                 sqlstate = self.sqlstate
                 if sqlstate is not None:
                     self.sqlstate = None
@@ -369,7 +372,7 @@ class ServerConnection(asyncio.Protocol):
                         self._record(client, self.last_tag, sqlstate, t_done)
                 self.last_tag = b""
             elif kind == _COPY_IN:
-                self.copy = (self.copy | COPY_LIVE) & ~COPY_FAILED
+                self.copy = (self.copy | COPY_LIVE) & ~(COPY_FAILED | COPY_BROKEN)
             elif kind == _C:
                 self.last_tag = body
                 inflight = client.inflight
@@ -393,11 +396,11 @@ class ServerConnection(asyncio.Protocol):
                 self.params[name] = value
                 client.on_parameter_status(self, name, value)
             elif kind == _E and not self.swallow:
-                if self.copy & COPY_LIVE:
-                    self._copy_failed()
                 self.statements.on_error()
                 fields = m.parse_fields(body)
                 self.sqlstate = fields.get("C", "XX000")
+                if self.copy & COPY_LIVE:
+                    self._copy_failed(self.sqlstate)
                 self.breaker.record_server_error(self.sqlstate, fields.get("M", ""))
                 inflight = client.inflight
                 if inflight and inflight[0][0] == REC_EXECUTE:
@@ -456,20 +459,25 @@ class ServerConnection(asyncio.Protocol):
 
     # --- COPY FROM STDIN: Syncs PostgreSQL ignores -------------------------------
 
-    def copy_window_closed(self, syncs: int) -> None:
+    def copy_window_closed(self, syncs: int, early: int) -> None:
         """The client sent CopyDone or CopyFail, after ``syncs`` Syncs since its
-        last Query or Execute (libpq sends one right after the Execute of a COPY).
+        last Query or Execute, ``early`` of them right after it (libpq sends
+        Execute and Sync together, before any COPY data).
 
         PostgreSQL ignores the Syncs it reads while in COPY and answers the
-        others. If the COPY ends well, it read them all in COPY: they are settled
-        at the next ReadyForQuery. If it failed, which ones it read before
-        failing cannot be known: they are counted as answered, so the server may
-        wait for one answer too many, but is never released while it still owes
-        one, and it is not reused.
+        others. If the COPY ends well it read them all in COPY: all are settled
+        at the next ReadyForQuery. If it failed on its data, it had read the
+        early ones before any data: those are settled; which later ones it
+        read before failing cannot be known, so they count as answered. The
+        server may then wait for one answer too many, but is never released
+        while it still owes one, and it is not reused.
         """
         copy = self.copy
-        if copy & COPY_FAILED:
-            self.copy = copy & ~COPY_FAILED
+        if copy & (COPY_FAILED | COPY_BROKEN):
+            self.copy = copy & ~(COPY_FAILED | COPY_BROKEN)
+            if copy & COPY_FAILED:
+                self._copy_ignored(early)
+                syncs -= early
             if syncs:
                 self.desync("Syncs sent inside a COPY that failed")
         elif copy & COPY_WINDOW:
@@ -478,35 +486,49 @@ class ServerConnection(asyncio.Protocol):
         else:
             self.copy = copy | COPY_WINDOW
             self.copy_window = syncs
+            self.copy_early = early
 
-    def _copy_failed(self) -> None:
-        """ErrorResponse while in COPY: the COPY is over."""
+    def _copy_failed(self, sqlstate: str) -> None:
+        """ErrorResponse while in COPY: the COPY is over.
+
+        08P01 means it ended on a message that was not COPY data (a Query or
+        Parse sent into it): the Syncs after that message were answered."""
         copy = self.copy & ~COPY_LIVE
+        broken = sqlstate == PROTOCOL_VIOLATION
         if copy & COPY_WINDOW:
-            if self.copy_window:
-                self.desync("Syncs sent inside a COPY that failed")
             self.copy = copy & ~COPY_WINDOW
-        else:
-            self.copy = copy | COPY_FAILED  # settled when the client ends its data
+            late = self.copy_window
+            if not broken:
+                self._copy_ignored(self.copy_early)
+                late -= self.copy_early
+            if late:
+                self.desync("Syncs sent inside a COPY that failed")
+        else:  # settled when the client ends its data
+            self.copy = copy | (COPY_BROKEN if broken else COPY_FAILED)
 
-    def _copy_settled(self, client: ClientConnection) -> None:
+    def _copy_settled(self) -> None:
         """A ReadyForQuery: PostgreSQL is out of COPY. If the COPY ended well,
-        the Syncs sent inside it earned no ReadyForQuery: count them answered."""
+        the Syncs sent inside it earned no ReadyForQuery."""
         copy, self.copy = self.copy, 0
-        if copy & COPY_LIVE and copy & COPY_WINDOW and self.copy_window:
-            ignored = self.copy_window
-            self.pending -= ignored
-            client.answered += ignored
-            self.statements.segments_done += ignored
-            inflight = client.inflight
-            for _ in range(ignored):  # their end-of-batch markers, oldest first
-                for i, item in enumerate(inflight):
-                    if item[0] == REC_SYNC:
-                        del inflight[i]
-                        break
-        self.copy_window = 0
+        if copy & COPY_LIVE and copy & COPY_WINDOW:
+            self._copy_ignored(self.copy_window)
         # (Anything else left here was a CopyDone outside any COPY, or a COPY
-        # that failed; in both cases every Sync was counted as answered.)
+        # that failed, whose Syncs were settled when it did.)
+
+    def _copy_ignored(self, syncs: int) -> None:
+        """``syncs`` Syncs PostgreSQL read while in COPY: count them answered."""
+        client = self.client
+        if not syncs or client is None:
+            return
+        self.pending -= syncs
+        client.answered += syncs
+        self.statements.segments_done += syncs
+        inflight = client.inflight
+        for _ in range(syncs):  # their end-of-batch markers, oldest first
+            for i, item in enumerate(inflight):
+                if item[0] == REC_SYNC:
+                    del inflight[i]
+                    break
 
     def desync(self, why: str) -> None:
         """This server's answers can no longer be counted: keep it from anyone else."""

@@ -183,19 +183,48 @@ def test_extended_copy_sent_in_one_go_settles_exactly(rig: Rig) -> None:
     assert a.answered == a.ordinal and not a.inflight
 
 
-def test_extended_copy_that_fails_keeps_the_server_until_every_answer(rig: Rig) -> None:
+def test_extended_copy_that_fails_on_its_data_settles_exactly(rig: Rig) -> None:
+    # libpq's Sync right after the Execute was read in COPY, before any data:
+    # ignored, even though the COPY then failed on a row.
     a, a_wire = rig.client()
     a.data_received(PARSE_BIND_EXECUTE + SYNC)
     rig.server.data_received(msg(b"1") + msg(b"2") + COPY_IN_RESPONSE)
     a.data_received(data(b"x\n"))
     rig.server.data_received(ERROR)  # the failure comes back before CopyDone is sent
     a.data_received(COPY_DONE + SYNC)
+    assert not rig.free_for_others()
     rig.server.data_received(RFQ)
     assert kinds(a_wire.take()) == "12GEZ"
-    assert not rig.free_for_others()  # the first Sync's fate is unknowable: not reused
-    a.data_received(m.query("select 1"))
-    rig.server.data_received(m.command_complete("SELECT 1") + RFQ)
-    assert kinds(a_wire.take()) == "CZ"  # the client itself is served as before
+    assert rig.server.pending == 0 and not rig.server.desynced
+    assert rig.free_for_others()
+    assert a.answered == a.ordinal and not a.inflight
+
+
+def test_extended_copy_that_fails_before_copydone_is_scanned(rig: Rig) -> None:
+    a, a_wire = rig.client()
+    a.data_received(PARSE_BIND_EXECUTE + SYNC)
+    rig.server.data_received(msg(b"1") + msg(b"2") + COPY_IN_RESPONSE)
+    a.data_received(data(b"x\n") + COPY_DONE + SYNC)  # scanned while the COPY is live
+    rig.server.data_received(ERROR)
+    assert not rig.free_for_others()
+    rig.server.data_received(RFQ)
+    assert rig.server.pending == 0 and not rig.server.desynced and rig.free_for_others()
+
+
+def test_messages_sent_into_a_copy_are_never_taken_for_ignored_syncs(rig: Rig) -> None:
+    # An extended batch sent into a live COPY: PostgreSQL fails the COPY on
+    # its Parse (08P01) and answers the batch's Sync. Nothing may be settled
+    # as ignored; the server is not reused.
+    a, a_wire = rig.client()
+    a.data_received(m.query("copy t from stdin"))
+    rig.server.data_received(COPY_IN_RESPONSE)
+    a.data_received(PARSE_BIND_EXECUTE + SYNC + COPY_DONE)
+    bogus = m.error_response("08P01", "unexpected message type 0x50 during COPY from stdin")
+    rig.server.data_received(bogus + RFQ)
+    assert not rig.free_for_others()  # the batch's Sync is still to be answered
+    rig.server.data_received(m.error_response("26000", "unnamed prepared statement") + RFQ)
+    assert rig.server.pending == 0 and rig.server.desynced
+    assert not rig.free_for_others()
 
 
 def test_copydone_for_a_statement_that_was_not_a_copy(rig: Rig) -> None:
