@@ -108,8 +108,12 @@ def _want_table(want: Iterable[bytes | int], mark: Iterable[bytes | int]) -> dic
     return _want_table_cached(tuple(want), tuple(mark))
 
 
-class MessageScanner:
-    """Finds the messages of interest in a stream without copying the rest."""
+class PyMessageScanner:
+    """Finds the messages of interest in a stream without copying the rest.
+
+    The reference implementation; ``MessageScanner`` is its compiled twin
+    (scry/protocol/_scan.pyx) when that was built.
+    """
 
     __slots__ = (
         "_want",
@@ -218,3 +222,11 @@ class MessageScanner:
         room = self._collect_limit - len(collect)
         if room > 0:
             collect += part[:room]
+
+
+try:  # the compiled twin, built by setup.py when a C compiler is at hand
+    from scry.protocol._scan import MessageScanner as _CompiledScanner
+except ImportError:
+    _CompiledScanner = None
+
+MessageScanner: type[PyMessageScanner] = _CompiledScanner or PyMessageScanner  # type: ignore[assignment]

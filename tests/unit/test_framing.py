@@ -13,12 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scry.protocol import framing
 from scry.protocol.errors import PROTOCOL_VIOLATION, ProtocolViolation
 from scry.protocol.framing import (
     DEFAULT_MAX_COLLECT,
     DEFAULT_MAX_MESSAGE_SIZE,
     MessageReader,
     MessageScanner,
+    PyMessageScanner,
 )
 
 FUZZ = settings(
@@ -380,3 +382,47 @@ def test_scanner_arbitrary_bytes(
     assert data.startswith(forwarded)
     # only an incomplete header (< 5 bytes) may be held back
     assert len(data) - len(forwarded) < 5
+
+
+# --- the compiled scanner and the Python one ----------------------------------------------
+
+
+def run_scanner(scanner: object, pieces: list[bytes], detach_at: int | None) -> list[object]:
+    """Everything a scanner says about a stream: outputs, boundaries, errors, detach."""
+    said: list[object] = []
+    for i, piece in enumerate(pieces):
+        if i == detach_at:
+            said.append(("detach", scanner.detach()))  # type: ignore[attr-defined]
+        try:
+            said.append(scanner.feed(piece))  # type: ignore[attr-defined]
+        except ProtocolViolation as exc:
+            said.append(("error", str(exc)))
+            return said
+        said.append(scanner.at_boundary)  # type: ignore[attr-defined]
+    return said
+
+
+@pytest.mark.skipif(framing._CompiledScanner is None, reason="the extension was not built")
+@FUZZ
+@given(
+    data=st.one_of(garbage_st, messages_st.map(lambda ms: b"".join(frame(k, b) for k, b in ms))),
+    cuts=cuts_st,
+    limit=limits_st,
+    max_collect=st.integers(0, 64),
+    detach_at=st.none() | st.integers(0, 5),
+    mark=st.sampled_from([b"", b"D", b"Cd"]),
+)
+def test_compiled_scanner_says_what_the_python_one_says(
+    data: bytes, cuts: list[int], limit: int, max_collect: int, detach_at: int | None, mark: bytes
+) -> None:
+    pieces = split(data, cuts)
+    made = [
+        cls(WANT, max_message_size=limit, max_collect=max_collect, mark=mark)
+        for cls in (PyMessageScanner, framing._CompiledScanner)
+    ]
+    python, compiled = (run_scanner(s, pieces, detach_at) for s in made)
+    assert compiled == python
+
+
+def test_the_relay_uses_the_compiled_scanner_when_built() -> None:
+    assert MessageScanner is (framing._CompiledScanner or PyMessageScanner)
