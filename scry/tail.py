@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import sys
 import time
 from typing import IO
@@ -110,12 +111,30 @@ async def stream(
     connected_once = False
     dropped_seen = 0
     backoff = 0.25
+    # Ctrl-C (or SIGTERM) ends the tail: a flag, checked at every step, and a
+    # cancel to wake a quiet stream. The flag matters: a cancel delivered while
+    # the HTTP library closes a connection can be absorbed by it, and the tail
+    # would then just reconnect.
+    interrupted = False
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        interrupted = True
+        if main is not None:
+            main.cancel()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, interrupt)
     async with AdminClient(target, token) as client:
-        while True:
+        while not interrupted:
             try:
                 async for item in client.tail(
                     fingerprint=fingerprint, min_ms=min_ms, errors=errors
                 ):
+                    if interrupted:
+                        return 0
                     if not connected_once:
                         connected_once = True
                     backoff = 0.25
@@ -139,9 +158,21 @@ async def stream(
                 _notice(f"connection lost ({exc}); reconnecting")
             except (BrokenPipeError, _PipeClosed):
                 return 0
+            except asyncio.CancelledError:
+                if interrupted:
+                    return 0
+                raise
+            if interrupted:
+                return 0
             dropped_seen = 0  # a new stream counts its own drops
-            await asyncio.sleep(backoff)
+            try:
+                await asyncio.sleep(backoff)
+            except asyncio.CancelledError:
+                if interrupted:
+                    return 0
+                raise
             backoff = min(MAX_BACKOFF, backoff * 2)
+    return 0
 
 
 def tail_main(
@@ -165,7 +196,7 @@ def tail_main(
                 errors=errors,
             )
         )
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # (Ctrl-C: see stream)
         status = 0
     except BrokenPipeError:
         status = 0

@@ -178,12 +178,45 @@ def test_scry_tail_json_and_restart(tail_proxy, tmp_path: Path) -> None:
             assert later["type"] == "query" and later["ts"] > first[-1]["ts"]
             assert tail.poll() is None
             tail.send_signal(signal.SIGINT)
-            tail.communicate(timeout=10)  # (read on: a full pipe would block its last print)
+            try:
+                tail.communicate(timeout=10)  # (read on: a full pipe would block a print)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"scry tail ignored SIGINT; its stderr:\n{stderr_path.read_text()}")
             assert tail.returncode == 0
         finally:
             if tail.poll() is None:
                 tail.kill()
                 tail.wait(5)
+    assert "Traceback" not in stderr_path.read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_scry_tail_stops_at_a_signal_while_reconnecting(tail_proxy, tmp_path: Path, sig) -> None:
+    # The proxy is gone: the tail is between attempts (or in one); Ctrl-C or a
+    # TERM ends it at once, with status 0.
+    proxy, base = tail_proxy
+    stderr_path = tmp_path / "tail.err"
+    with workload(proxy, ["select 1"]), open(stderr_path, "wb") as stderr:
+        tail = subprocess.Popen(
+            [str(SCRY), "tail", base.removeprefix("http://"), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=_env(),
+        )
+        assert tail.stdout is not None
+        json.loads(tail.stdout.readline())
+    proxy.stop()
+    deadline = time.monotonic() + 15
+    while "reconnecting" not in stderr_path.read_text():
+        assert time.monotonic() < deadline, stderr_path.read_text()
+        time.sleep(0.1)
+    tail.send_signal(sig)
+    try:
+        tail.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        tail.kill()
+        pytest.fail(f"scry tail ignored the signal; its stderr:\n{stderr_path.read_text()}")
+    assert tail.returncode == 0, stderr_path.read_text()
     assert "Traceback" not in stderr_path.read_text()
 
 
