@@ -535,7 +535,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         server = self.server
         if server is None:
             return not self._queue
-        return server.clean and self._at_boundary() and not server.cancels_pending
+        return server.settled and self._at_boundary() and not server.cancels_pending
 
     def drop_parked_server(self, server: ServerConnection) -> None:
         """Our parked server is going away while idle: forget it, quietly."""

@@ -669,16 +669,21 @@ class ServerConnection(asyncio.Protocol):
             self.transport.resume_reading()  # type: ignore[union-attr]
 
     @property
-    def clean(self) -> bool:
-        """Safe to give to another client: idle, nothing owed, at a message boundary."""
+    def settled(self) -> bool:
+        """Idle, nothing owed, at a message boundary. (A desynced server may
+        count an answer too many, never too few: settled is still true.)"""
         return (
             self.state is not CLOSED
             and self.pending <= 0
             and self.swallow == 0
             and self.tx_status == _TX_IDLE
             and self._scanner.at_boundary
-            and not self.desynced
         )
+
+    @property
+    def clean(self) -> bool:
+        """Safe to give to another client: settled, and its answers counted right."""
+        return not self.desynced and self.settled
 
     # --- flow control: the client cannot take more, so stop reading the server --
 
