@@ -670,8 +670,11 @@ class ServerConnection(asyncio.Protocol):
 
     @property
     def settled(self) -> bool:
-        """Idle, nothing owed, at a message boundary. (A desynced server may
-        count an answer too many, never too few: settled is still true.)"""
+        """Idle, nothing owed, at a message boundary, as far as scry counts.
+
+        A server desynced by COPY may count an answer too many, never one too
+        few, so this is still true of it; one desynced by a stray
+        ReadyForQuery may count low, but is closed, never reused, either way."""
         return (
             self.state is not CLOSED
             and self.pending <= 0
