@@ -290,20 +290,25 @@ class Observatory:
             same = by_shape.get(variant.shape)
             by_shape[variant.shape] = recs if same is None else same + recs
         summary = _Summary(values, bool(self.query_listeners or self.query_batch_listeners))
+        session_listened = bool(self.session_state_listeners)
         for shape, recs in by_shape.items():
             self._summarize_group(summary, shape, recs)
-        if self.session_state_listeners:
-            for shape, recs in by_shape.items():
-                effects = shape.session_effects
-                if effects is None:  # once per shape: its literals do not change its effects
-                    effects = shape.session_effects = classify_bytes(recs[0][TEXT])
-                if effects:
-                    ran = [r[CONTEXT] for r in recs if r[SQLSTATE] is None]
-                    if ran:
-                        summary.session.append((effects, ran))
+            if session_listened:
+                self._note_session_effects(summary, shape, recs)
         if self._ship_events or self._subscribers:
             summary.events = self._events(batch, variants)
         return summary
+
+    def _note_session_effects(
+        self, summary: _Summary, shape: Shape, recs: list[QueryRecord]
+    ) -> None:
+        effects = shape.session_effects
+        if effects is None:  # once per shape: its literals do not change its effects
+            effects = shape.session_effects = classify_bytes(recs[0][TEXT])
+        if effects:
+            ran = [r[CONTEXT] for r in recs if r[SQLSTATE] is None]
+            if ran:
+                summary.session.append((effects, ran))
 
     def _summarize_group(self, summary: _Summary, shape: Shape, recs: list[QueryRecord]) -> None:
         n = len(recs)
