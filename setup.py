@@ -1,16 +1,20 @@
-"""Builds the one optional C extension, scry.protocol._scan (the relay's
-message scanner, from Cython). Without a C compiler the install still
-succeeds and scry uses the pure-Python scanner; metadata is in pyproject.toml."""
+"""Builds scry's optional C extensions from Cython: scry.protocol._scan (the
+relay's message scanner) and scry.observe._hot (the drain's hot-value
+counter). Without a C compiler the install still succeeds and scry uses their
+pure-Python twins; metadata is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
 try:
     from Cython.Build import cythonize
-except ImportError:  # (a build without Cython: the pure-Python scanner)
+except ImportError:  # (a build without Cython: the pure-Python twins)
     ext_modules = []
 else:
     ext_modules = cythonize(
-        [Extension("scry.protocol._scan", ["scry/protocol/_scan.pyx"], optional=True)],
+        [
+            Extension("scry.protocol._scan", ["scry/protocol/_scan.pyx"], optional=True),
+            Extension("scry.observe._hot", ["scry/observe/_hot.pyx"], optional=True),
+        ],
         quiet=True,
     )
 

@@ -31,9 +31,10 @@ from scry.observe.anonymize import Anonymizer, short_token
 class CountMinSketch:
     """Counters that overestimate but never underestimate.
 
-    The ``depth`` rows live in one flat list; a key's indexes are absolute
-    positions in it (row * width + column), so an update is a few list
-    operations with no per-row bookkeeping.
+    The ``depth`` rows live in one flat array of int64; a key's indexes are
+    absolute positions in it (row * width + column), so an update is a few
+    index operations with no per-row bookkeeping (and the compiled drain,
+    ``scry.observe._hot``, writes the cells directly).
     """
 
     __slots__ = ("width", "depth", "_counts", "_unpack", "_offsets", "total")
@@ -41,7 +42,7 @@ class CountMinSketch:
     def __init__(self, width: int = 2048, depth: int = 4) -> None:
         self.width = width
         self.depth = depth
-        self._counts = [0] * (width * depth)
+        self._counts = array("q", bytes(8 * width * depth))
         self._unpack = struct.Struct(f"<{depth}I").unpack
         self._offsets = tuple(range(0, width * depth, width))
         self.total = 0
@@ -79,7 +80,7 @@ class CountMinSketch:
 
     def halve(self) -> None:
         """Decay: halve every counter."""
-        self._counts[:] = [v >> 1 for v in self._counts]
+        self._counts[:] = array("q", [v >> 1 for v in self._counts])
         self.total >>= 1
 
     # --- merging across workers (scry.adminapi.fleet) ---------------------------
@@ -91,7 +92,7 @@ class CountMinSketch:
             "width": self.width,
             "depth": self.depth,
             "total": self.total,
-            "counts": base64.b64encode(array("q", self._counts).tobytes()).decode("ascii"),
+            "counts": base64.b64encode(self._counts.tobytes()).decode("ascii"),
         }
 
     @classmethod
@@ -108,7 +109,7 @@ class CountMinSketch:
                 raise ValueError("count-min sketches of different shapes do not merge")
             cells = array("q")
             cells.frombytes(base64.b64decode(exported["counts"]))
-            counts[:] = map(operator.add, counts, cells)
+            counts[:] = array("q", map(operator.add, counts, cells))
             sketch.total += int(exported["total"])
         return sketch
 
@@ -159,6 +160,15 @@ class TopK:
         not known)."""
         if self._min_key is None or len(self.counts) < self.k:
             return None
+        return self._min_value
+
+    def admission_floor(self) -> int:
+        """The estimate a new key must beat to be admitted: the table's
+        minimum when it is full (found now if need be), else -1."""
+        if len(self.counts) < self.k:
+            return -1
+        if self._min_key is None:
+            self._find_min()
         return self._min_value
 
     def _find_min(self) -> None:
@@ -233,55 +243,35 @@ class HotData:
         (``b"table.column\0value"``; the pipeline adds up one drain's worth).
         Each key is hashed once with the anonymization key; only the digest
         is kept."""
-        # CountMinSketch.add_digest and the common TopK.offer outcome (not
-        # kept, not admitted) inlined: this runs once per distinct value.
         # One keyed hasher, reset before each value (twice as fast as a copy
         # of a fresh one: no 2 KB state to clone).
-        hasher = self._hasher
-        reset, update, finish = hasher.reset, hasher.update, hasher.digest
-        length = self._digest_len
-        full = length <= 32  # digest() without a length: 32 bytes, the cheapest call
         cms = self.values
-        cells = cms._counts
-        unpack = struct.Struct(f"<{cms.depth}I").unpack_from
-        width = cms.width
-        offsets = cms._offsets
-        depth4 = cms.depth == 4  # the default, unrolled
-        offset2, offset3 = 2 * width, 3 * width
         top = self.top_values
         offer = top.offer
-        floor = top.floor()
-        if depth4 and full:  # the default shape, unrolled, every branch hoisted
-            for key, count in counts.items():
-                reset()
-                update(key)
-                digest = finish()
-                a, b, c, d = unpack(digest)
-                a %= width
-                b = b % width + width
-                c = c % width + offset2
-                d = d % width + offset3
-                cells[a] = estimate = cells[a] + count
-                cells[b] = cb = cells[b] + count
-                cells[c] = cc = cells[c] + count
-                cells[d] = cd = cells[d] + count
-                if cb < estimate:
-                    estimate = cb
-                if cc < estimate:
-                    estimate = cc
-                if cd < estimate:
-                    estimate = cd
+        if cms.depth == 4 and self._digest_len <= 32:  # the default shape: compiled
+            floor = top.admission_floor()
+            candidates = _count_digests(counts, self._hasher, cms._counts, cms.width, floor)
+            floor = top.floor()
+            for digest, key, estimate in candidates:
                 # At or under the floor the key cannot be one the table keeps
                 # (a kept key's estimate never falls below what the table
                 # holds for it, and that is at least the floor): not admitted.
                 if floor is not None and estimate <= floor:
                     continue
                 if offer(digest, estimate):
-                    column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
-                    top.labels[digest] = (column, f"#{short_token(digest)}…")
+                    top.labels[digest] = self._value_label(key, digest)
                 floor = top.floor()
             cms.total += sum(counts.values())
             return
+        hasher = self._hasher
+        reset, update, finish = hasher.reset, hasher.update, hasher.digest
+        length = self._digest_len
+        full = length <= 32  # digest() without a length: 32 bytes, the cheapest call
+        cells = cms._counts
+        unpack = struct.Struct(f"<{cms.depth}I").unpack_from
+        width = cms.width
+        offsets = cms._offsets
+        floor = top.floor()
         for key, count in counts.items():
             reset()
             update(key)
@@ -296,10 +286,14 @@ class HotData:
             if floor is not None and estimate <= floor:
                 continue  # not admitted (see above)
             if offer(digest, estimate):
-                column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
-                top.labels[digest] = (column, f"#{short_token(digest)}…")
+                top.labels[digest] = self._value_label(key, digest)
             floor = top.floor()
         cms.total += sum(counts.values())
+
+    @staticmethod
+    def _value_label(key: bytes, digest: bytes) -> tuple[str, str]:
+        column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
+        return column, f"#{short_token(digest)}…"
 
     def maybe_decay(self, now: float | None = None) -> bool:
         """Halve everything if a decay interval passed; True if it did."""
@@ -334,6 +328,44 @@ class HotData:
                 for digest, (column, token) in self.top_values.labels.items()
             ],
         }
+
+
+def _py_count_digests(
+    counts: dict[bytes, int], hasher: Any, cells: array[int], width: int, floor: int
+) -> list[tuple[bytes, bytes, int]]:
+    """The reference of ``scry.observe._hot.count_digests``: hash each key
+    of ``counts`` with ``hasher`` (reset before each), add its count to its
+    four cells (rows of ``width`` in ``cells``) and return ``[(digest, key,
+    estimate)]`` for the keys whose estimate is above ``floor``."""
+    reset, update, finish = hasher.reset, hasher.update, hasher.digest
+    unpack = struct.Struct("<4I").unpack_from
+    offset2, offset3 = 2 * width, 3 * width
+    candidates = []
+    for key, count in counts.items():
+        reset()
+        update(key)
+        digest = finish()
+        a, b, c, d = unpack(digest)
+        a %= width
+        b = b % width + width
+        c = c % width + offset2
+        d = d % width + offset3
+        cells[a] = estimate = cells[a] + count
+        cells[b] = cb = cells[b] + count
+        cells[c] = cc = cells[c] + count
+        cells[d] = cd = cells[d] + count
+        estimate = min(estimate, cb, cc, cd)
+        if estimate > floor:
+            candidates.append((digest, key, estimate))
+    return candidates
+
+
+try:  # the compiled twin, built by setup.py when a C compiler is at hand
+    from scry.observe._hot import count_digests as _compiled_count_digests
+except ImportError:
+    _compiled_count_digests = None
+
+_count_digests = _compiled_count_digests or _py_count_digests
 
 
 def table_digest(table: str, length: int) -> bytes:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+from array import array
 from collections import Counter
 
 import blake3
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scry.observe import sketch
 from scry.observe.anonymize import Anonymizer
 from scry.observe.sketch import CountMinSketch, HotData, TopK
 
@@ -153,3 +156,41 @@ def test_add_values_keeps_what_a_plain_cms_and_topk_keep(seed: int, depth: int, 
                 part.halve()
     assert hot.values._counts == cms._counts
     assert hot.top_values.counts == top.counts
+
+
+@pytest.mark.skipif(sketch._compiled_count_digests is None, reason="the extension was not built")
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.integers(min_value=0, max_value=300), min_size=0, max_size=200),
+    width=st.integers(min_value=1, max_value=64),
+    floor=st.integers(min_value=-1, max_value=6),
+)
+def test_compiled_count_digests_says_what_the_python_one_says(
+    values: list[int], width: int, floor: int
+) -> None:
+    counts = dict(Counter(b"t.c\0%d" % v for v in values))
+    hasher = Anonymizer("k").hasher()
+    said = []
+    for count_digests in (sketch._py_count_digests, sketch._compiled_count_digests):
+        cells = array("q", bytes(8 * 4 * width))
+        cells[0] = 3  # counts already there add up
+        said.append((count_digests(counts, hasher, cells, width, floor), cells))
+    assert said[0] == said[1]
+
+
+def test_add_values_without_the_extension_keeps_what_it_keeps_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = random.Random(3)
+    drains = [
+        dict(Counter(b"t.c\0%d" % int(rng.paretovariate(0.8)) for _ in range(50)))
+        for _ in range(40)
+    ]
+    kept = []
+    for count_digests in (sketch._count_digests, sketch._py_count_digests):
+        monkeypatch.setattr(sketch, "_count_digests", count_digests)
+        hot = HotData(Anonymizer("k"), top_k=5, width=32)
+        for counts in drains:
+            hot.add_values(counts)
+        kept.append((hot.values._counts, hot.values.total, hot.top_values.counts, hot.hot(5)))
+    assert kept[0] == kept[1]
