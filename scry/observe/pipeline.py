@@ -48,16 +48,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from itertools import compress, repeat
-from operator import add, attrgetter, floordiv, is_, itemgetter, sub, truediv
+from operator import attrgetter, is_, itemgetter
 from typing import Any
 
 from scry.config import ObservabilityConfig
 from scry.observe.anonymize import Anonymizer
+from scry.observe.columns import event_columns, group_columns
 from scry.observe.events import EventBlock, EventRing, Subscription, event_dict, make_predicate
 from scry.observe.fingerprint import DIGITS_TO_ZERO, Fingerprinter, Shape, Variant
 from scry.observe.histogram import add_sorted_ns
 from scry.observe.metrics import ObserveMetrics
-from scry.observe.record import CONTEXT, SQLSTATE, TEXT, QueryRecord
+from scry.observe.record import CONTEXT, SQLSTATE, T_DONE, TEXT, QueryRecord
 from scry.observe.sinks import EventShipper, Sink, make_sink
 from scry.observe.sketch import HotData
 from scry.observe.stats import StatsTable
@@ -312,33 +313,19 @@ class Observatory:
 
     def _summarize_group(self, summary: _Summary, shape: Shape, recs: list[QueryRecord]) -> None:
         n = len(recs)
-        if n < 64:
-            contexts, _, received, acquired, sent, done, tags, sqlstates, pins = zip(
-                *recs, strict=True
-            )
-        else:
-            # One map per field, not zip(*recs): zip makes an iterator per
-            # record, enough young objects to set off the garbage collector.
-            contexts, received, acquired, sent, done, tags, sqlstates, pins = [
-                list(map(field, recs)) for field in _GROUP_FIELDS
-            ]
+        (databases, totals, queues, backends, acquires, sqlstates, pins, errors, rows,
+         first_done, min_done, max_done) = group_columns(recs, self._tag_rows)  # fmt: skip
         offset = self._wall_offset
-        last = max(done) / 1e9 + offset
+        last = max_done / 1e9 + offset
         slot_seconds = self.stats.slot_seconds
-        if n > 1 and int(min(done) / 1e9 + offset) // slot_seconds != int(last) // slot_seconds:
+        if n > 1 and int(min_done / 1e9 + offset) // slot_seconds != int(last) // slot_seconds:
             # Across a stats slot boundary (once per slot): one group per slot.
             by_slot: dict[int, list[QueryRecord]] = {}
-            for rec, t in zip(recs, done, strict=True):
-                by_slot.setdefault(int(t / 1e9 + offset) // slot_seconds, []).append(rec)
+            for rec in recs:
+                by_slot.setdefault(int(rec[T_DONE] / 1e9 + offset) // slot_seconds, []).append(rec)
             for part in by_slot.values():
                 self._summarize_group(summary, shape, part)
             return
-        totals = list(map(sub, done, received))
-        queues = list(map(sub, acquired, received))
-        backends = list(map(sub, done, sent))
-        errors = n - sqlstates.count(None)
-        rows = sum(map(self._tag_rows.__getitem__, tags))
-        databases = list(map(_DATABASE, contexts))
         ordered = sorted(totals)
         total_sum = sum(totals)
         if ordered[0] < 0 or ordered[-1] > _MAX_NS:  # clamped, as StatsTable.add does
@@ -352,15 +339,15 @@ class Observatory:
         backend_sum = sum(backends)
         summary.groups.append(
             (shape, n, errors, rows, total_us, queue_sum // 1000, backend_sum // 1000,
-             min_us, max_us, hist, done[0] / 1e9 + offset, last)
+             min_us, max_us, hist, first_done / 1e9 + offset, last)
         )  # fmt: skip
         summary.queues.extend(queues)
         summary.backends.extend(backends)
-        if sent == acquired:
+        if acquires is None:
             summary.acquire_zeros += n
         else:
-            summary.acquires.extend(map(sub, sent, acquired))
-        if pins.count(None) != n:
+            summary.acquires.extend(acquires)
+        if pins is not None:
             pinned = summary.pinned
             for reasons in pins:
                 if reasons:
@@ -390,50 +377,17 @@ class Observatory:
     def _events(self, batch: list[QueryRecord], variants: list[Variant]) -> EventBlock:
         """The events of a chunk, in record order, built column by column
         (``zip``/``map`` over the chunk: no tuple per event)."""
-        n = len(batch)
-        contexts, texts, received, acquired, sent, done, tags, sqlstates, pins = [
-            list(map(field, batch)) for field in _RECORD_FIELDS
-        ]  # (not zip(*batch): see _summarize_group)
-        client_ids, databases, users, applications, workers = [
-            list(map(field, contexts)) for field in _RECORD_FIELDS[:5]
-        ]
+        columns = event_columns(batch, self._tag_rows, self._wall_offset)
         shapes = list(map(_SHAPE, variants))
         if self.anonymize:
             queries: list[str] = list(map(_NORMALIZED, shapes))
         else:
             queries = [
-                (t[:-1] if t[-1:] == b"\x00" else t).decode("utf-8", "replace") for t in texts
+                (t[:-1] if t[-1:] == b"\x00" else t).decode("utf-8", "replace")
+                for t in map(_TEXT, batch)
             ]
-        if pins.count(None) == n:
-            pinned: list[bool] = [False] * n
-            reasons: list[tuple[str, ...]] = [()] * n
-        else:
-            pinned = [p is not None for p in pins]
-            reasons = [p or () for p in pins]
-        thousand = repeat(1000)
-        return EventBlock(
-            [
-                list(map(add, map(truediv, done, repeat(1e9)), repeat(self._wall_offset))),
-                workers,
-                client_ids,
-                databases,
-                users,
-                applications,
-                list(map(_FINGERPRINT, shapes)),
-                queries,
-                list(map(floordiv, map(sub, acquired, received), thousand)),
-                [0] * n
-                if sent == acquired
-                else list(map(floordiv, map(sub, sent, acquired), thousand)),
-                list(map(floordiv, map(sub, done, sent), thousand)),
-                list(map(floordiv, map(sub, done, received), thousand)),
-                list(map(self._tag_rows.__getitem__, tags)),
-                sqlstates,
-                pinned,
-                reasons,
-            ],
-            n,
-        )
+        columns[6:6] = (list(map(_FINGERPRINT, shapes)), queries)
+        return EventBlock(columns, len(batch))
 
     def _apply(self, summary: _Summary) -> None:
         """Fold a chunk's summary into statistics, sketches, metrics, events."""
@@ -589,10 +543,7 @@ def _by_database(
     return [(database, part[0], part[1]) for database, part in parts.items()]
 
 
-_RECORD_FIELDS = tuple(map(itemgetter, range(9)))
-_GROUP_FIELDS = (_RECORD_FIELDS[0], *_RECORD_FIELDS[2:])
 _TEXT = itemgetter(1)
-_DATABASE = attrgetter("database")
 _SHAPE = attrgetter("shape")
 _FINGERPRINT = attrgetter("fingerprint")
 _NORMALIZED = attrgetter("normalized")

@@ -1,0 +1,101 @@
+"""A drained chunk of query records, column by column.
+
+The drain reads every record twice: once per shape group for statistics
+(``group_columns``) and once for the chunk's events (``event_columns``).
+Both walk the records field by field and do the timeline arithmetic; in
+Python that is a dozen whole-column passes (``map`` over ``itemgetter``,
+``sub``, ``floordiv``), in C (``scry/observe/_columns.pyx``, built when a C
+compiler was at hand) it is one pass with no intermediate lists. The
+functions here are the reference: the compiled ones take the same arguments
+and return equal values (tests/unit/test_observe_columns.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from itertools import repeat
+from operator import add, floordiv, itemgetter, sub, truediv
+from typing import Any
+
+from scry.observe.record import QueryRecord
+
+_FIELDS = tuple(map(itemgetter, range(9)))
+_CONTEXT_FIELDS = tuple(map(itemgetter, range(5)))
+
+
+def py_group_columns(recs: list[QueryRecord], tag_rows: Mapping[Any, int]) -> tuple[Any, ...]:
+    """``(databases, totals, queues, backends, acquires, sqlstates, pins,
+    errors, rows, first_done, min_done, max_done)`` of a non-empty group.
+
+    Durations are in ns, one per record: total = done - received, queue =
+    acquired - received, backend = done - sent, acquire = sent - acquired
+    (``acquires`` is None when every one is 0). ``pins`` is None when no
+    record was pinned; ``rows`` adds up ``tag_rows[tag]``.
+    """
+    contexts, _, received, acquired, sent, done, tags, sqlstates, pins = [
+        list(map(field, recs)) for field in _FIELDS
+    ]  # (not zip(*recs): an iterator per record, enough to set off the collector)
+    n = len(recs)
+    return (
+        [context[1] for context in contexts],
+        list(map(sub, done, received)),
+        list(map(sub, acquired, received)),
+        list(map(sub, done, sent)),
+        None if sent == acquired else list(map(sub, sent, acquired)),
+        sqlstates,
+        None if pins.count(None) == n else pins,
+        n - sqlstates.count(None),
+        sum(map(tag_rows.__getitem__, tags)),
+        done[0],
+        min(done),
+        max(done),
+    )
+
+
+def py_event_columns(
+    batch: list[QueryRecord], tag_rows: Mapping[Any, int], wall_offset: float
+) -> list[list[Any]]:
+    """The columns of the chunk's events except fingerprint and query:
+    ts, worker, client_id, database, user, application_name, queue_us,
+    pool_acquire_us, backend_us, total_us, rows, sqlstate, pinned,
+    pin_reasons (``EVENT_FIELDS`` order, those two left out)."""
+    n = len(batch)
+    contexts, _, received, acquired, sent, done, tags, sqlstates, pins = [
+        list(map(field, batch)) for field in _FIELDS
+    ]
+    client_ids, databases, users, applications, workers = [
+        list(map(field, contexts)) for field in _CONTEXT_FIELDS
+    ]
+    if pins.count(None) == n:
+        pinned: list[bool] = [False] * n
+        reasons: list[tuple[str, ...]] = [()] * n
+    else:
+        pinned = [p is not None for p in pins]
+        reasons = [p or () for p in pins]
+    thousand = repeat(1000)
+    return [
+        list(map(add, map(truediv, done, repeat(1e9)), repeat(wall_offset))),
+        workers,
+        client_ids,
+        databases,
+        users,
+        applications,
+        list(map(floordiv, map(sub, acquired, received), thousand)),
+        [0] * n if sent == acquired else list(map(floordiv, map(sub, sent, acquired), thousand)),
+        list(map(floordiv, map(sub, done, sent), thousand)),
+        list(map(floordiv, map(sub, done, received), thousand)),
+        list(map(tag_rows.__getitem__, tags)),
+        sqlstates,
+        pinned,
+        reasons,
+    ]
+
+
+try:  # the compiled twins, built by setup.py when a C compiler is at hand
+    from scry.observe._columns import event_columns as _compiled_event_columns
+    from scry.observe._columns import group_columns as _compiled_group_columns
+except ImportError:
+    _compiled_event_columns = _compiled_group_columns = None
+
+group_columns = _compiled_group_columns or py_group_columns
+event_columns = _compiled_event_columns or py_event_columns
