@@ -12,12 +12,19 @@ whole call to the Python twin, which handles any number (and raises on a
 record that is not one).
 """
 
+from cpython cimport array as carray
 from cpython.dict cimport PyDict_CheckExact, PyDict_GetItem
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.long cimport PyLong_AsLongLong
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+
+from array import array
+
+cdef carray.array _DOUBLES = array("d")
+cdef carray.array _INT64S = array("q")
 
 
 cdef inline long long _floor_us(long long ns) noexcept nogil:
@@ -146,17 +153,17 @@ def event_columns(list batch, tag_rows, double wall_offset):
 
 cdef list _event_columns(list batch, tag_rows, double wall_offset):
     cdef Py_ssize_t n = len(batch), i
-    cdef list ts = PyList_New(n)
+    cdef carray.array ts = carray.clone(_DOUBLES, n, False)
     cdef list workers = PyList_New(n)
     cdef list client_ids = PyList_New(n)
     cdef list databases = PyList_New(n)
     cdef list users = PyList_New(n)
     cdef list applications = PyList_New(n)
-    cdef list queue_us = PyList_New(n)
-    cdef list acquire_us = PyList_New(n)
-    cdef list backend_us = PyList_New(n)
-    cdef list total_us = PyList_New(n)
-    cdef list rows = PyList_New(n)
+    cdef carray.array queue_us = carray.clone(_INT64S, n, False)
+    cdef carray.array acquire_us = carray.clone(_INT64S, n, False)
+    cdef carray.array backend_us = carray.clone(_INT64S, n, False)
+    cdef carray.array total_us = carray.clone(_INT64S, n, False)
+    cdef carray.array rows = carray.clone(_INT64S, n, False)
     cdef list sqlstates = PyList_New(n)
     cdef list pinned = PyList_New(n)
     cdef list reasons = PyList_New(n)
@@ -170,17 +177,17 @@ cdef list _event_columns(list batch, tag_rows, double wall_offset):
         acquired = PyLong_AsLongLong(_item(rec, 3))
         sent = PyLong_AsLongLong(_item(rec, 4))
         done = PyLong_AsLongLong(_item(rec, 5))
-        _set(ts, i, <double>done / 1e9 + wall_offset)
+        ts.data.as_doubles[i] = <double>done / 1e9 + wall_offset
         _set(workers, i, _item(ctx, 4))
         _set(client_ids, i, _item(ctx, 0))
         _set(databases, i, _item(ctx, 1))
         _set(users, i, _item(ctx, 2))
         _set(applications, i, _item(ctx, 3))
-        _set(queue_us, i, _floor_us(acquired - received))
-        _set(acquire_us, i, _floor_us(sent - acquired))
-        _set(backend_us, i, _floor_us(done - sent))
-        _set(total_us, i, _floor_us(done - received))
-        _set(rows, i, _rows(tag_rows, _item(rec, 6)))
+        queue_us.data.as_longlongs[i] = _floor_us(acquired - received)
+        acquire_us.data.as_longlongs[i] = _floor_us(sent - acquired)
+        backend_us.data.as_longlongs[i] = _floor_us(done - sent)
+        total_us.data.as_longlongs[i] = _floor_us(done - received)
+        rows.data.as_longlongs[i] = _rows(tag_rows, _item(rec, 6))
         _set(sqlstates, i, _item(rec, 7))
         pin = _item(rec, 8)
         _set(pinned, i, pin is not None)

@@ -12,6 +12,7 @@ and return equal values (tests/unit/test_observe_columns.py).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 from itertools import repeat
 from operator import add, floordiv, itemgetter, sub, truediv
@@ -58,7 +59,9 @@ def py_event_columns(
     """The columns of the chunk's events except fingerprint and query:
     ts, worker, client_id, database, user, application_name, queue_us,
     pool_acquire_us, backend_us, total_us, rows, sqlstate, pinned,
-    pin_reasons (``EVENT_FIELDS`` order, those two left out)."""
+    pin_reasons (``EVENT_FIELDS`` order, those two left out). The numbers
+    are arrays in the batch format's types (ts ``d``, the rest ``q``), so the
+    encoder copies their bytes; the others are lists."""
     n = len(batch)
     contexts, _, received, acquired, sent, done, tags, sqlstates, pins = [
         list(map(field, batch)) for field in _FIELDS
@@ -74,17 +77,19 @@ def py_event_columns(
         reasons = [p or () for p in pins]
     thousand = repeat(1000)
     return [
-        list(map(add, map(truediv, done, repeat(1e9)), repeat(wall_offset))),
+        array("d", map(add, map(truediv, done, repeat(1e9)), repeat(wall_offset))),
         workers,
         client_ids,
         databases,
         users,
         applications,
-        list(map(floordiv, map(sub, acquired, received), thousand)),
-        [0] * n if sent == acquired else list(map(floordiv, map(sub, sent, acquired), thousand)),
-        list(map(floordiv, map(sub, done, sent), thousand)),
-        list(map(floordiv, map(sub, done, received), thousand)),
-        list(map(tag_rows.__getitem__, tags)),
+        array("q", map(floordiv, map(sub, acquired, received), thousand)),
+        array("q", bytes(8 * n))
+        if sent == acquired
+        else array("q", map(floordiv, map(sub, sent, acquired), thousand)),
+        array("q", map(floordiv, map(sub, done, sent), thousand)),
+        array("q", map(floordiv, map(sub, done, received), thousand)),
+        array("q", map(tag_rows.__getitem__, tags)),
         sqlstates,
         pinned,
         reasons,

@@ -92,7 +92,7 @@ class EventBlock:
     operations (``map``, ``zip``), the ring keeps blocks, and the encoder
     turns columns straight into arrays: no event ever needs a tuple of its
     own unless a live-tail subscriber asks for rows. A column is any
-    sequence (list or tuple) of ``n`` values.
+    sequence (list, tuple, or an ``array`` for numbers) of ``n`` values.
     """
 
     __slots__ = ("columns", "n")
@@ -130,11 +130,23 @@ class EventBlock:
             return blocks[0]
         if not blocks:
             return cls([], 0)
-        columns = [
-            list(chain.from_iterable(parts))
-            for parts in zip(*(b.columns for b in blocks), strict=True)
-        ]
+        columns = [_joined(parts) for parts in zip(*(b.columns for b in blocks), strict=True)]
         return cls(columns, sum(b.n for b in blocks))
+
+
+def _joined(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
+    """One column of several blocks: an array when they all are arrays of
+    one type (a copy of their bytes), else a list."""
+    first = parts[0]
+    if first.__class__ is array and all(
+        p.__class__ is array and p.typecode == first.typecode  # type: ignore[attr-defined]
+        for p in parts
+    ):
+        joined = array(first.typecode)  # type: ignore[attr-defined]
+        for part in parts:
+            joined.extend(part)  # type: ignore[arg-type]
+        return joined
+    return list(chain.from_iterable(parts))
 
 
 class EventRing:
@@ -342,6 +354,8 @@ def encode_batch(
                 data = array(
                     "i", [-1 if v is None else strings.setdefault(v, len(strings)) for v in values]
                 )
+        elif values.__class__ is array and values.typecode == _ARRAY_TYPE[code]:
+            data = values if sys.byteorder == "little" else array(values.typecode, values)
         else:
             data = array(_ARRAY_TYPE[code], values)
         if sys.byteorder == "big":

@@ -549,6 +549,7 @@ _FINGERPRINT = attrgetter("fingerprint")
 _NORMALIZED = attrgetter("normalized")
 _MAX_US = (1 << 40) - 1
 _MAX_NS = _MAX_US * 1000
+_MAX_ROWS = (1 << 63) - 1
 
 
 class _Summary:
@@ -597,6 +598,7 @@ class _TagRows(dict[Any, int]):
 
     def __missing__(self, tag: Any) -> int:
         rows = parse_command_rows(tag) if tag.__class__ is bytes else int(tag)
+        rows = min(max(rows, 0), _MAX_ROWS)  # events keep rows as int64
         if len(self) >= 4096:
             self.clear()
         self[tag] = rows

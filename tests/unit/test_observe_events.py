@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from array import array
 from pathlib import Path
 
 import httpx
@@ -283,6 +284,28 @@ def test_block_and_tuple_batches_encode_the_same() -> None:
         assert from_block == decode_batch(*encode_batch(events, compression))
         assert from_block == [event_dict(e) for e in events]
     assert decode_batch(*encode_batch([], "none")) == []
+
+
+def test_array_columns_encode_and_join_as_lists_do() -> None:
+    """The drain hands numbers over as arrays in the batch's own types; the
+    ring joins them across blocks and the encoder copies their bytes."""
+    events = [_event(i) for i in range(30)]
+    as_lists = EventBlock.of_events(events)
+    numbers = {"ts": "d", "queue_us": "q", "pool_acquire_us": "q", "backend_us": "q",
+               "total_us": "q", "rows": "q"}  # fmt: skip
+    columns = [
+        array(numbers[name], column) if name in numbers else list(column)
+        for name, column in zip(EVENT_FIELDS, as_lists.columns, strict=True)
+    ]
+    as_arrays = EventBlock(columns, 30)
+    ring = EventRing(100)
+    ring.extend(as_arrays.slice(0, 10))
+    ring.extend(as_arrays.slice(10, 30))
+    joined = ring.take_block(25)
+    assert isinstance(joined.columns[0], array) and joined.rows() == events[:25]
+    assert encode_batch(as_arrays, "none") == encode_batch(as_lists, "none")
+    assert decode_batch(*encode_batch(as_arrays, "gzip")) == [event_dict(e) for e in events]
+    assert decode_batch(*encode_batch(joined, "none")) == [event_dict(e) for e in events[:25]]
 
 
 def test_block_ring_drops_and_takes_across_blocks() -> None:
