@@ -388,6 +388,8 @@ class ScryTarget(Target):
             f"scry pool.mode={pool.get('mode')}, pool {pool.get('size')}, "
             f"auth.type={auth.get('type', 'scram-sha-256')}"
         ) + (f", overrides {json.dumps(overrides, separators=(',', ':'))}" if overrides else "")
+        if Path(binary).parent != Path(sys.executable).parent:
+            self.description += f", {binary}"
 
     def start(self) -> None:
         self.port = free_port()
@@ -832,6 +834,17 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return label, overrides
 
 
+def variant_binary(overrides: dict[str, Any], default: str) -> str:
+    """A variant's ``bin=PATH`` (another scry executable, e.g. under another
+    Python build) is not a config key: take it out of the overrides."""
+    path = overrides.pop("bin", None)
+    if path is None:
+        return default
+    if not os.access(str(path), os.X_OK):
+        raise SystemExit(f"--variant bin={path}: not an executable")
+    return str(path)
+
+
 def find_pgbouncer(explicit: str | None) -> str | None:
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
@@ -882,7 +895,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="LABEL:KEY=VAL,...",
-        help="an extra scry target with config overrides; added to --targets if not listed; repeatable",
+        help="an extra scry target with config overrides (bin=PATH: another scry "
+        "executable, e.g. one installed under another Python); added to --targets if not "
+        "listed; repeatable",
     )
     p.add_argument(
         "--pool-size",
@@ -1070,7 +1085,9 @@ def main(argv: list[str] | None = None) -> int:
             elif n == "floor":
                 targets.append(FloorTarget(n, pg.port, args.pool_size, workdir))
             else:
-                targets.append(ScryTarget(n, scry_bin, base_scry, variants.get(n, {}), workdir))
+                overrides = dict(variants.get(n, {}))
+                binary = variant_binary(overrides, scry_bin)
+                targets.append(ScryTarget(n, binary, base_scry, overrides, workdir))
         for t in targets:
             stack.callback(t.stop)
             try:

@@ -5,9 +5,11 @@ transactions (the shape of pgbench -S: Query in; RowDescription, DataRow,
 CommandComplete, ReadyForQuery out) with fake transports, and prints the
 user-space microseconds per transaction. ``--contended`` runs 50 clients on
 20 servers (pgbench -c 50 against pool 20): every transaction then queues
-for a server and takes it over from the previous client. Use it with a profiler:
+for a server and takes it over from the previous client. ``--cold`` evicts the
+CPU caches before every callback (see steps.py); ``--floor`` runs the same
+transactions through benchmarks/floor_pooler.py. Use it with a profiler:
 
-    .venv/bin/python benchmarks/hotpath.py [--no-observe] [--contended]
+    .venv/bin/python benchmarks/hotpath.py [--no-observe] [--contended] [--cold[=KIB]] [--floor]
     .venv/bin/python -m cProfile -s tottime benchmarks/hotpath.py | head -40
 """
 
@@ -17,6 +19,8 @@ import asyncio
 import sys
 import time
 from collections import deque
+
+from steps import Steps, cold_kib_from_argv  # type: ignore[import-not-found]
 
 from scry.client import READY, ClientConnection
 from scry.config import Config
@@ -91,20 +95,45 @@ RESPONSE = (
 )
 
 
-async def main(n: int) -> None:
+async def main(n: int, cold_kib: int) -> None:
     proxy, pool, (server,) = _setup(1)
     client = _client(proxy, pool)
+    steps = Steps(["query", "answer"], cold_kib)
+    calls = [(client.data_received, (QUERY,)), (server.data_received, (RESPONSE,))]
     for _ in range(1000):
-        client.data_received(QUERY)
-        server.data_received(RESPONSE)
-    start = time.process_time()  # CPU time: steady even on a busy machine
+        steps.run(calls)
+    steps.reset()
     for _ in range(n):
-        client.data_received(QUERY)
-        server.data_received(RESPONSE)
-    elapsed = time.process_time() - start
+        steps.run(calls)
     assert server in pool.idle or client in pool.parked  # type: ignore[attr-defined]
-    print(f"{elapsed / n * 1e6:.2f} us per transaction ({n} transactions)")
+    print(steps.report("transaction"))
     proxy.stop_now()
+
+
+async def main_floor(n: int, cold_kib: int) -> None:
+    """The same transactions through benchmarks/floor_pooler.py's protocol classes."""
+    import argparse
+
+    import floor_pooler as floor  # type: ignore[import-not-found]
+
+    pool = floor.Pool(argparse.Namespace(user="app", password="pw", pool_size=20))
+    server = floor.Server(pool)
+    server.transport = FakeTransport()
+    server.ready.set_result(None)
+    pool.idle.append(server)
+    pool.size = 1
+    client = floor.Client(pool)
+    client.transport = FakeTransport()
+    client.authed = True
+    steps = Steps(["query", "answer"], cold_kib)
+    calls = [(client.data_received, (QUERY,)), (server.data_received, (RESPONSE,))]
+    for _ in range(1000):
+        steps.run(calls)
+    steps.reset()
+    for _ in range(n):
+        steps.run(calls)
+    assert server in pool.idle
+    print("floor_pooler.py: " + steps.report("transaction"))
 
 
 async def main_contended(n: int, n_clients: int = 50, n_servers: int = 20) -> None:
@@ -137,5 +166,9 @@ async def main_contended(n: int, n_clients: int = 50, n_servers: int = 20) -> No
 
 if __name__ == "__main__":
     counts = [a for a in sys.argv[1:] if a.isdigit()]
-    count = int(counts[0]) if counts else 200_000
-    asyncio.run(main_contended(count) if "--contended" in sys.argv else main(count))
+    cold = cold_kib_from_argv(sys.argv[1:])
+    count = int(counts[0]) if counts else (5_000 if cold else 200_000)
+    if "--contended" in sys.argv:
+        asyncio.run(main_contended(count))
+    else:
+        asyncio.run((main_floor if "--floor" in sys.argv else main)(count, cold))
