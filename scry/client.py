@@ -242,9 +242,15 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         except ProtocolViolation as exc:
             self.refuse_stream(exc)
             return
-        if len(events) == 1 and events[0][0] == _Q:
-            self._relay_query(out, events[0][2])
-            return
+        if len(events) == 1:
+            kind, end, body = events[0]
+            if kind == _Q:
+                self._relay_query(out, body)
+                return
+            if kind == _X and end == 5:  # a lone Terminate: how every client leaves
+                self.stats.received -= 5  # PgBouncer does not count the Terminate
+                self._cleanup("client closed")
+                return
         owed = 0
         terminate = False
         # What to time, in order (see REC_* in scry.server): a record per statement.

@@ -21,8 +21,7 @@ import functools
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from scramp import ScramClient, ScramException, ScramMechanism
 
@@ -43,6 +42,7 @@ def md5_response(secret: str, salt: bytes) -> str:
     return "md5" + hashlib.md5(secret[3:].encode() + salt).hexdigest()
 
 
+@functools.lru_cache(maxsize=1024)  # asked once per login; the secrets are few
 def secret_kind(secret: str) -> str:
     """``plain``, ``md5`` or ``scram`` for a stored secret."""
     if secret.startswith(SCRAM_SHA_256 + "$"):
@@ -101,13 +101,25 @@ def scram_auth_info(secret: str, user: str = "") -> tuple[bytes, bytes, bytes, i
     return salt, stored, server, iterations
 
 
-@dataclass(frozen=True, slots=True)
-class AuthStep:
-    """What to do after a client message: send ``reply``; ``done`` if authenticated."""
+class AuthStep(NamedTuple):
+    """What to do after a client message: send ``reply``; ``done`` if authenticated.
+    (A NamedTuple: one is made per login message, and a frozen dataclass costs
+    an ``object.__setattr__`` per field.)"""
 
     reply: bytes = b""
     done: bool = False
     error: tuple[str, str] | None = None  # (sqlstate, message) -> FATAL and close
+
+
+_AUTHENTICATED = AuthStep(done=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stored_md5(user: str, secret: str) -> str:
+    """The md5 secret a client's md5 answer is checked against (once per user
+    and secret, not per login: an md5 of the password each time adds up under
+    pgbench -C's connection churn)."""
+    return md5_secret(user, secret) if secret_kind(secret) == "plain" else secret
 
 
 class ClientAuthExchange:
@@ -135,7 +147,7 @@ class ClientAuthExchange:
         """The first message to send after the StartupMessage."""
         if self.method in ("trust", "any", "cert"):
             # cert: the proxy checked the client certificate's CN before this.
-            return AuthStep(done=True)
+            return _AUTHENTICATED
         if self.method == "plain":
             return AuthStep(reply=m.auth_cleartext_password())
         if self.method == "md5":
@@ -172,16 +184,14 @@ class ClientAuthExchange:
             salt, stored, server, iterations = scram_auth_info(secret)
             _, stored2, server2, _ = _scram.make_auth_info(given, iterations, salt)
             ok = hmac.compare_digest(stored, stored2)
-        return AuthStep(done=True) if ok else self._failed()
+        return _AUTHENTICATED if ok else self._failed()
 
     def _check_md5(self, given: str) -> AuthStep:
         secret = self._secret
         if secret is None:
             return self._failed()
-        if secret_kind(secret) == "plain":
-            secret = md5_secret(self.user, secret)
-        expected = md5_response(secret, self._salt)
-        return AuthStep(done=True) if hmac.compare_digest(given, expected) else self._failed()
+        expected = md5_response(_stored_md5(self.user, secret), self._salt)
+        return _AUTHENTICATED if hmac.compare_digest(given, expected) else self._failed()
 
     def _scram_step(self, body: bytes) -> AuthStep:
         try:

@@ -86,16 +86,17 @@ def _parse_params(body: bytes) -> dict[str, str]:
     # name NUL value NUL ... then one more NUL ends the list.
     if not (body == b"\x00" or body.endswith(b"\x00\x00")):
         raise ProtocolViolation("invalid startup packet layout: expected terminator as last byte")
-    parts = body[:-2].split(b"\x00") if len(body) > 1 else []
-    if len(parts) % 2:
-        raise ProtocolViolation("startup packet has a parameter name without a value")
-    if any(not name for name in parts[::2]):
-        raise ProtocolViolation("startup packet has an empty parameter name")
     try:
-        decoded = [p.decode() for p in parts]
+        # Decoded whole, then split: a NUL byte is never part of a UTF-8 sequence.
+        parts = body[:-2].decode().split("\x00") if len(body) > 1 else []
     except UnicodeDecodeError as exc:
         raise ProtocolViolation("startup packet parameters are not valid UTF-8") from exc
-    params = dict(zip(decoded[::2], decoded[1::2], strict=True))
+    if len(parts) % 2:
+        raise ProtocolViolation("startup packet has a parameter name without a value")
+    names = parts[::2]
+    if not all(names):
+        raise ProtocolViolation("startup packet has an empty parameter name")
+    params = dict(zip(names, parts[1::2], strict=True))
     if not params.get("user"):
         raise ProtocolViolation("no PostgreSQL user name specified in startup packet")
     return params
