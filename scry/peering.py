@@ -58,7 +58,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import shutil
 import socket
 import struct
@@ -103,9 +102,24 @@ WATCHDOG_INTERVAL = 1.0
 _CANCEL = struct.Struct("!iiiI")
 
 
+# Cancel keys come from the OS's CSPRNG, as PostgreSQL's and PgBouncer's do: a
+# Mersenne Twister's keys can be predicted from the ones a client is shown,
+# and a predicted key cancels someone else's query. Read 4 KiB at a time.
+_entropy = bytearray()
+os.register_at_fork(after_in_child=_entropy.clear)  # a forked child draws its own
+
+
+def _random_bits41() -> int:
+    if len(_entropy) < 6:
+        _entropy[:] = os.urandom(4096)
+    bits = int.from_bytes(_entropy[-6:], "little") & ((1 << 41) - 1)
+    del _entropy[-6:]
+    return bits
+
+
 def new_cancel_key(peer_id: int, worker_id: int) -> tuple[int, int]:
     """A fresh (pid, secret) that names its owner (peer and worker)."""
-    bits = random.getrandbits(41)  # one call: 9 bits of pid (never all zero), 32 of secret
+    bits = _random_bits41()  # 9 bits of pid (never all zero), 32 of secret
     pid = (peer_id << PEER_SHIFT) | (worker_id << WORKER_SHIFT) | ((bits >> 32) & RANDOM_MASK or 1)
     return pid, bits & 0xFFFFFFFF
 

@@ -61,6 +61,7 @@ def secret_kind(secret: str) -> str:
 # always sees the same salt, so probes cannot tell unknown users apart.
 _MOCK_SALT_KEY = os.urandom(32)
 _salt_pool = bytearray()
+os.register_at_fork(after_in_child=_salt_pool.clear)  # a forked child draws its own
 
 
 def _random_salt() -> bytes:
