@@ -466,12 +466,15 @@ async def serve(
 ) -> int:
     """Run a proxy until it is stopped by a signal."""
     proxy = Proxy(config, config_path, identity)
+    loop = asyncio.get_running_loop()
+    # Before the listener opens: a SIGHUP sent as soon as the port answers must
+    # reload, not kill the process (SIGHUP's default action).
+    loop.add_signal_handler(signal.SIGHUP, proxy.reload)
     try:
         await proxy.start()
     except OSError as exc:
         event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
         return 1
-    loop = asyncio.get_running_loop()
     signals = {"count": 0}
 
     def on_stop_signal(signame: str) -> None:
@@ -485,7 +488,6 @@ async def serve(
 
     loop.add_signal_handler(signal.SIGINT, on_stop_signal, "SIGINT")
     loop.add_signal_handler(signal.SIGTERM, on_stop_signal, "SIGTERM")
-    loop.add_signal_handler(signal.SIGHUP, proxy.reload)
     await proxy.wait_stopped()
     if proxy.admin is not None:
         await proxy.admin.stop()

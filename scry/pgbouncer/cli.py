@@ -195,12 +195,15 @@ async def serve(config, warnings: list[str]) -> int:  # type: ignore[no-untyped-
             event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
 
     state.reload = reload
+    loop = asyncio.get_running_loop()
+    # Before the listener opens: a SIGHUP sent as soon as the port answers must
+    # reload, not kill the process (SIGHUP's default action).
+    loop.add_signal_handler(signal.SIGHUP, reload)
     try:
         await proxy.start()
     except OSError as exc:
         event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
         return 1
-    loop = asyncio.get_running_loop()
     stops = {"count": 0}
 
     def stop(signame: str, wait_for_clients: bool) -> None:
@@ -228,7 +231,6 @@ async def serve(config, warnings: list[str]) -> int:  # type: ignore[no-untyped-
         state.paused.clear()
         proxy.resume()
 
-    loop.add_signal_handler(signal.SIGHUP, reload)
     loop.add_signal_handler(signal.SIGINT, stop, "SIGINT", False)
     loop.add_signal_handler(signal.SIGTERM, stop, "SIGTERM", True)
     loop.add_signal_handler(signal.SIGQUIT, stop, "SIGQUIT", False)
