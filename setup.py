@@ -1,7 +1,9 @@
 """Builds scry's optional C extensions from Cython: scry.protocol._scan (the
-relay's message scanner), scry.observe._hot (the drain's hot-value counter)
-and scry.observe._columns (the drain's walk over a chunk of records). Without a C compiler the install still succeeds and scry uses their
-pure-Python twins; metadata is in pyproject.toml."""
+relay's message scanner), scry._relay (the relay's hot state and its fast
+paths), scry.observe._hot (the drain's hot-value counter) and
+scry.observe._columns (the drain's walk over a chunk of records). Without a
+C compiler the install still succeeds and scry uses their pure-Python twins;
+metadata is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -13,6 +15,7 @@ else:
     ext_modules = cythonize(
         [
             Extension("scry.protocol._scan", ["scry/protocol/_scan.pyx"], optional=True),
+            Extension("scry._relay", ["scry/_relay.pyx"], optional=True),
             Extension("scry.observe._hot", ["scry/observe/_hot.pyx"], optional=True),
             Extension("scry.observe._columns", ["scry/observe/_columns.pyx"], optional=True),
         ],

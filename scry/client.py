@@ -26,7 +26,7 @@ from time import monotonic, perf_counter_ns
 from typing import TYPE_CHECKING
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
-from scry.client_login import AUTH, CLOSED, LOGIN, READY, STARTUP, ClientLogin
+from scry.client_login import ClientLogin
 from scry.client_messages import FUNCTION_CALL_MARK, SYNC_MARK, MessageModeRelay, parse_text
 from scry.hybrid import SessionTracker
 from scry.log import event, logging_info
@@ -42,6 +42,7 @@ from scry.protocol.errors import (
 )
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ClientStatements
+from scry.relay_core import AUTH, CLOSED, COMPILED, LOGIN, READY, STARTUP, ClientCore
 from scry.server import REC_EXECUTE, REC_QUERY, ServerConnection
 
 if TYPE_CHECKING:
@@ -90,23 +91,17 @@ _ids = itertools.count(1)
 _NO_STATS = PoolStats()  # counts nothing anyone reads: clients before they have a pool
 
 
-class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
+class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protocol):
     """One application connection to scry."""
 
     # Slots: with more than 30 attributes CPython 3.11 gives up sharing instance
-    # dict keys, which makes every attribute access slower and __init__ 4x
-    # slower; this object is touched on every message.
+    # dict keys; the fields touched per message are ClientCore's (scry.relay_core).
     __slots__ = (
-        "_addr", "_auth", "_last_text", "_messages", "_named_texts",
-        "_early_syncs", "_paused_by_server", "_paused_waiting", "_queue", "_queued_bytes",
-        "_queued_owed",
-        "_reader", "_retried", "_scanner", "_startup_buf", "_syncs_since_execute",
-        "_unnamed_open", "_unnamed_rest", "_unnamed_text", "_unsynced", "answered",
-        "application_name", "cancel_key", "connected_at", "connected_clock", "context",
-        "database", "id", "inflight", "last_active", "observed", "ordinal", "params", "parked",
-        "pins", "pool", "proxy", "server", "state", "statement_pooling", "statements", "stats",
-        "t_acquired", "tls", "tracker", "transaction_pooling", "transport", "unanswered",
-        "user", "waiting_since", "__weakref__"
+        "_addr", "_auth", "_last_text", "_named_texts", "_paused_by_server", "_paused_waiting",
+        "_queue", "_queued_bytes", "_queued_owed", "_reader", "_startup_buf", "_unnamed_rest",
+        "_unnamed_text", "application_name", "cancel_key", "connected_at", "connected_clock",
+        "database", "id", "params", "proxy", "statements", "tls", "user", "waiting_since",
+        "__weakref__"
     )  # fmt: skip
 
     def __init__(self, proxy: Proxy) -> None:
@@ -187,7 +182,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
             addr = self._addr = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
         return addr
 
-    def data_received(self, data: bytes) -> None:
+    def _data_received(self, data: bytes) -> None:
+        """Every chunk from the client; the compiled ClientCore serves one whole
+        Query itself and hands this the rest."""
         if self.state is READY:
             self._relay(data)
         elif self.state is STARTUP:
@@ -197,6 +194,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, asyncio.Protocol):
         elif self.state is LOGIN:
             assert self._reader is not None
             self._reader.feed(data)  # pipelined before ReadyForQuery; relayed later
+
+    if not COMPILED:
+        data_received = _data_received
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.state is not CLOSED:

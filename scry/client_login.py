@@ -35,10 +35,9 @@ from scry.protocol.errors import (
     ProtocolViolation,
 )
 from scry.protocol.framing import MessageReader
+from scry.relay_core import AUTH, CLOSED, LOGIN, READY, STARTUP
 from scry.server import ServerLoginError
 from scry.tls import peer_common_name
-
-STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 
 # GUC names are case-insensitive; ParameterStatus uses these spellings.
 _CANONICAL = {"datestyle": "DateStyle", "intervalstyle": "IntervalStyle", "timezone": "TimeZone"}

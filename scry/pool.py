@@ -20,6 +20,7 @@ from scry.config import DatabaseTarget, PoolConfig
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.errors import CONNECTION_FAILURE
+from scry.relay_core import PoolStats
 from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError, settings_sql
 
 if TYPE_CHECKING:
@@ -40,33 +41,6 @@ _LIBPQ_ONLY = frozenset(
         "user", "password", "dbname",
     }
 )  # fmt: skip
-
-
-class PoolStats:
-    """PgBouncer's per-pool traffic counters (SHOW STATS), bumped on the hot path.
-
-    Plain attributes on a slots object: one add each, read only by the views.
-    Times are in seconds (float); the console reports microseconds.
-    """
-
-    __slots__ = (
-        "server_assignment_count", "xact_count", "query_count", "received", "sent",
-        "xact_time", "query_time", "client_parse_count", "server_parse_count", "bind_count",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        # As PgBouncer counts (tests/integration/test_pgbouncer_stats.py compares):
-        self.server_assignment_count = 0  # servers linked to a client
-        self.query_count = 0  # requests answered in full (a pipeline counts once)
-        self.xact_count = 0  # such answers ending idle (autocommit statements included)
-        self.received = 0  # bytes from clients, their Terminate excepted
-        self.sent = 0  # bytes from servers while linked to a client
-        self.xact_time = 0.0
-        self.query_time = 0.0
-        # Named prepared statements only (transaction pooling), as PgBouncer 1.21+:
-        self.client_parse_count = 0  # Parse from clients
-        self.server_parse_count = 0  # Parse sent to servers (again on a new server)
-        self.bind_count = 0  # Bind of a named statement
 
 
 class Pool:

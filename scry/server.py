@@ -31,6 +31,16 @@ from scry.protocol.errors import CONNECTION_FAILURE, PROTOCOL_VIOLATION, Protoco
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ServerStatements
 from scry.protocol.startup import cancel_request, ssl_request, startup_message
+from scry.relay_core import (
+    COMPILED,
+    S_ACTIVE,
+    S_CLOSED,
+    S_CONNECTING,
+    S_IDLE,
+    S_INTERNAL,
+    S_LOGIN,
+    ServerCore,
+)
 
 if TYPE_CHECKING:
     from scry.client import ClientConnection
@@ -81,12 +91,12 @@ _ids = itertools.count(1)
 INTERNAL_QUERY_TIMEOUT = 2.0  # seconds for a reset or check query before the server is dropped
 
 CONNECTING, LOGIN, IDLE, ACTIVE, INTERNAL, CLOSED = (
-    "connecting",
-    "login",
-    "idle",
-    "active",
-    "internal",
-    "closed",
+    S_CONNECTING,
+    S_LOGIN,
+    S_IDLE,
+    S_ACTIVE,
+    S_INTERNAL,
+    S_CLOSED,
 )
 
 
@@ -106,20 +116,17 @@ def quote_literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-class ServerConnection(asyncio.Protocol):
+class ServerConnection(ServerCore, asyncio.Protocol):
     """One PostgreSQL backend connection owned by a pool."""
 
     # Slots: with more than 30 attributes CPython 3.11 gives up sharing instance
-    # dict keys, which makes every attribute access slower and __init__ 4x
-    # slower; this object is touched on every message.
+    # dict keys; the fields touched per message are ServerCore's (scry.relay_core).
     __slots__ = (
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
-        "_login_waiter", "_reader", "_scanner", "_tls_answer", "applied", "backend_pid",
-        "backend_secret", "breaker", "busy_since", "cancels_pending", "client", "close_reason",
-        "copy", "copy_early", "copy_window", "created_at", "desynced", "id", "internal_error_fields", "last_tag", "last_used",
-        "local_addr", "observe", "params", "paused_by_client", "pending", "pool", "proxy",
-        "ready_at", "release_after_cancel", "retire", "sqlstate", "state", "statements",
-        "stats", "swallow", "tls", "transport", "tx_status", "xact_mark", "__weakref__"
+        "_login_waiter", "_reader", "_tls_answer", "applied", "backend_pid", "backend_secret",
+        "cancels_pending", "close_reason", "copy_early", "copy_window", "created_at",
+        "desynced", "id", "internal_error_fields", "last_used", "local_addr", "params",
+        "paused_by_client", "proxy", "release_after_cancel", "retire", "tls", "__weakref__"
     )  # fmt: skip
 
     def __init__(self, pool: Pool) -> None:
@@ -280,7 +287,9 @@ class ServerConnection(asyncio.Protocol):
 
     # --- relay -----------------------------------------------------------------
 
-    def data_received(self, data: bytes) -> None:
+    def _data_received(self, data: bytes) -> None:
+        """Every chunk from PostgreSQL; the compiled ServerCore serves the
+        commonest ones itself and hands this the rest."""
         state = self.state
         if state is ACTIVE:
             if self.pending <= 0 and not self.swallow and self.client.parked:  # type: ignore[union-attr]
@@ -296,6 +305,9 @@ class ServerConnection(asyncio.Protocol):
             self._internal_data(data)
         elif state is IDLE:
             self._idle_data(data)
+
+    if not COMPILED:
+        data_received = _data_received
 
     def _relay(self, data: bytes) -> None:
         self.stats.sent += len(data)

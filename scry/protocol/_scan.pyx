@@ -23,16 +23,9 @@ cdef inline Py_ssize_t _length_at(const unsigned char* p) noexcept nogil:
 
 
 cdef class MessageScanner:
-    """Finds the messages of interest in a stream without copying the rest."""
+    """Finds the messages of interest in a stream without copying the rest.
 
-    cdef signed char _table[256]  # message type -> -1 not wanted, 0 reported bare, 1 with body
-    cdef Py_ssize_t _max
-    cdef Py_ssize_t _max_collect
-    cdef bytes _held  # an incomplete header from the previous chunk
-    cdef readonly Py_ssize_t _remaining  # body bytes of the current message still to come
-    cdef readonly object _collect  # a wanted body being gathered across chunks, or None
-    cdef Py_ssize_t _collect_limit
-    cdef int _kind
+    (Its fields are declared in _scan.pxd.)"""
 
     def __init__(
         self,

@@ -1,0 +1,372 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The relay's hot state and fast paths, compiled (see scry/relay_core.py).
+
+``ClientCore`` and ``ServerCore`` are the bases of ``ClientConnection`` and
+``ServerConnection``: their per-message fields are C struct members, and
+their ``data_received`` serves the commonest chunks in C:
+
+* from a client, one whole simple Query while the client has (or has
+  parked) a server: what ``ClientConnection._relay_query`` and ``_forward``
+  do, step for step;
+* from a server, whole messages at a message boundary, none of them one the
+  relay must parse (ParameterStatus, ErrorResponse, ParseComplete,
+  CloseComplete, CopyInResponse): what ``ServerConnection._relay`` does for
+  ReadyForQuery, CommandComplete, EmptyQueryResponse and PortalSuspended,
+  then ``ClientConnection.on_server_ready``.
+
+Anything else goes to the connection's Python ``_data_received``, which
+stays the reference for every case (tests/unit/test_relay_fast.py holds the
+two to the same results). Why: live, the relay's per-transaction cost
+follows how much code and data it touches, and a Python step touches a
+frame, its code object, globals and a dozen attribute caches; here a step is
+a few struct fields and one call into the transport.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from libc.time cimport timespec
+
+from scry.protocol._scan cimport MessageScanner
+
+from scry.breaker import CLOSED as BREAKER_CLOSED
+from scry.hybrid import TransactionTracker
+from scry.relay_core import CLOSED, READY, S_ACTIVE, S_CLOSED
+
+
+cdef extern from "<time.h>" nogil:
+    int clock_gettime(int clk_id, timespec *tp)
+    enum: CLOCK_MONOTONIC
+
+# The clock of time.monotonic() and time.perf_counter_ns() on Linux.
+cdef inline long long _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <long long>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef inline double _seconds(long long ns) noexcept nogil:
+    return <double>ns / 1e9
+
+
+cdef inline Py_ssize_t _length_at(const unsigned char* p) noexcept nogil:
+    return (<Py_ssize_t>p[0] << 24) | (p[1] << 16) | (p[2] << 8) | p[3]
+
+
+cdef enum:
+    # Message types (scry.protocol.messages).
+    _Q = 81  # 'Q' Query
+    _Z = 90  # 'Z' ReadyForQuery
+    _C = 67  # 'C' CommandComplete
+    _I = 73  # 'I' EmptyQueryResponse
+    _SUSPENDED = 115  # 's' PortalSuspended
+    _TX_IDLE = 73  # 'I' in ReadyForQuery
+    # scry.server's REC_* kinds of ClientConnection.inflight entries.
+    REC_QUERY = 0
+    REC_EXECUTE = 1
+    REC_SYNC = 2
+
+
+cdef inline bint _ieq(const unsigned char* p, const char* word, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if (p[i] | 0x20) != <unsigned char>word[i]:
+            return False
+    return True
+
+
+cdef bint _may_reset_server(const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    """Whether the text holds 'discard' or 'deallocate' in any letter case: what
+    TransactionTracker.on_query's regex looks for (ASCII case folding, as re's
+    bytes patterns)."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if (p[i] | 0x20) == 100:  # 'd'
+            if n - i >= 7 and _ieq(p + i, b"discard", 7):
+                return True
+            if n - i >= 10 and _ieq(p + i, b"deallocate", 10):
+                return True
+    return False
+
+
+cdef class PoolStats:
+    """PgBouncer's per-pool traffic counters (SHOW STATS), bumped on the hot path
+    (the compiled twin of scry.relay_core.PyPoolStats)."""
+
+    cdef public long long server_assignment_count, xact_count, query_count, received, sent
+    cdef public double xact_time, query_time
+    cdef public long long client_parse_count, server_parse_count, bind_count
+
+    def __init__(self):
+        self.server_assignment_count = 0
+        self.xact_count = 0
+        self.query_count = 0
+        self.received = 0
+        self.sent = 0
+        self.xact_time = 0.0
+        self.query_time = 0.0
+        self.client_parse_count = 0
+        self.server_parse_count = 0
+        self.bind_count = 0
+
+
+cdef class ServerCore
+
+
+cdef class ClientCore:
+    """The per-message fields of a client connection, and its fast path."""
+
+    cdef public object state, transport, tracker, inflight, pool, unanswered, context, pins
+    cdef public object _messages, _scanner
+    cdef public ServerCore server
+    cdef public PoolStats stats
+    cdef public long long ordinal, answered, t_acquired
+    cdef public double last_active
+    cdef public bint parked, observed, transaction_pooling, statement_pooling, _retried
+    cdef public bint _unsynced, _unnamed_open
+    cdef public long _syncs_since_execute, _early_syncs
+
+    def data_received(self, data):
+        if self.state is not READY or self._messages is not None or type(data) is not bytes:
+            self._data_received(data)
+            return
+        cdef bytes chunk = <bytes>data
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(chunk)
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(chunk)
+        scanner = self._scanner
+        if type(scanner) is not MessageScanner or n < 5 or p[0] != _Q:
+            self._data_received(data)
+            return
+        cdef MessageScanner s = <MessageScanner>scanner
+        if (
+            s._remaining or PyBytes_GET_SIZE(s._held)
+            or _length_at(p + 1) + 1 != n or n - 5 > s._max or n - 5 > s._max_collect
+        ):
+            self._data_received(data)
+            return
+        # One whole Query: ClientConnection._relay, _relay_query and _forward.
+        self.stats.received += n
+        self._syncs_since_execute = 0
+        self._early_syncs = 0
+        self._unnamed_open = False  # a simple Query drops the unnamed statement
+        self.ordinal += 1
+        tracker = self.tracker
+        body = None
+        if tracker is not None:
+            if type(tracker) is not TransactionTracker or _may_reset_server(p + 5, n - 5):
+                body = chunk[5:]
+                tracker.on_query(body, self.ordinal)
+        cdef long long now = _now_ns()
+        if self.observed:
+            if body is None:
+                body = chunk[5:]
+            self.inflight.append((REC_QUERY, body, now))
+        self.last_active = _seconds(now)
+        if self.parked:
+            self._unpark_fast()
+        cdef ServerCore server = self.server
+        if server is None:
+            self._forward(chunk, 1, n)
+            return
+        self.unanswered = None
+        if server.pending == 0:
+            server.busy_since = _seconds(now)
+        server.pending += 1
+        server.statements.segments_sent += 1
+        server.transport.write(chunk)
+
+    cdef void _unpark_fast(self) except *:
+        """ClientConnection._unpark: a parked client starts a new transaction."""
+        self.parked = False
+        pool = self.pool
+        pool.parked.pop(self, None)
+        if pool.breaker.state is not BREAKER_CLOSED or pool.paused:
+            # New transactions must pass the breaker: give the server back and
+            # take the ordinary path, which asks it.
+            server = self.detach_idle_server()
+            if server is not None:
+                pool.release(server)
+
+    cdef bint _at_boundary_fast(self) except -1:
+        """ClientConnection._at_boundary."""
+        if self._unsynced:
+            return False
+        if self._messages is not None:
+            return self._messages.buffered == 0
+        scanner = self._scanner
+        if type(scanner) is MessageScanner:
+            return (<MessageScanner>scanner)._remaining == 0 and PyBytes_GET_SIZE(
+                (<MessageScanner>scanner)._held
+            ) == 0
+        return scanner.at_boundary
+
+
+cdef class ServerCore:
+    """The per-message fields of a server connection, and its fast path."""
+
+    cdef public object state, transport, statements, sqlstate, breaker, last_tag, observe, pool
+    cdef public object _scanner
+    cdef public ClientCore client
+    cdef public PoolStats stats
+    cdef public long long pending, swallow, copy
+    cdef public int tx_status
+    cdef public double busy_since, xact_mark, ready_at
+
+    def data_received(self, data):
+        if self.state is not S_ACTIVE or self.swallow or self.copy or type(data) is not bytes:
+            self._data_received(data)
+            return
+        cdef ClientCore client = self.client
+        scanner = self._scanner
+        if (
+            client is None
+            or client.statement_pooling
+            or (self.pending <= 0 and client.parked)
+            or type(scanner) is not MessageScanner
+        ):
+            self._data_received(data)
+            return
+        cdef MessageScanner s = <MessageScanner>scanner
+        cdef bytes chunk = <bytes>data
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(chunk)
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(chunk)
+        if s._remaining or PyBytes_GET_SIZE(s._held):
+            self._data_received(data)
+            return
+        # Only whole messages, none that ServerConnection._relay must parse.
+        cdef Py_ssize_t pos = 0, end, length
+        cdef int kind, want
+        while pos < n:
+            if n - pos < 5:
+                self._data_received(data)
+                return
+            kind = p[pos]
+            length = _length_at(p + pos + 1)
+            end = pos + 1 + length
+            want = s._table[kind]
+            if length < 4 or length - 4 > s._max or end > n or (
+                want >= 0 and not (
+                    (kind == _Z and length == 5)
+                    or (kind == _C and length - 4 <= s._max_collect)
+                    or kind == _I or kind == _SUSPENDED
+                )
+            ):
+                self._data_received(data)
+                return
+            pos = end
+        # ServerConnection._relay for ReadyForQuery, CommandComplete,
+        # EmptyQueryResponse and PortalSuspended (no swallow, no COPY).
+        cdef PoolStats stats = self.stats
+        stats.sent += n
+        cdef bint release = False
+        cdef long long t_done = 0, pending, now_ns
+        cdef double now
+        cdef int status
+        inflight = client.inflight
+        pos = 0
+        while pos < n:
+            kind = p[pos]
+            end = pos + 1 + _length_at(p + pos + 1)
+            if s._table[kind] < 0:
+                pos = end
+                continue
+            if kind == _Z:
+                status = p[pos + 5]
+                self.tx_status = status
+                pending = self.pending - 1
+                self.pending = pending
+                client.answered += 1
+                now_ns = _now_ns()
+                now = _seconds(now_ns)
+                if pending <= 0:
+                    # PgBouncer's counters: a query is a request up to the
+                    # ReadyForQuery that answers all it sent; a transaction ends
+                    # at such a ReadyForQuery that says idle.
+                    stats.query_count += 1
+                    stats.query_time += now - self.busy_since
+                    if status == _TX_IDLE:
+                        stats.xact_count += 1
+                        stats.xact_time += now - (self.xact_mark or self.busy_since)
+                        self.xact_mark = 0.0
+                        release = True
+                    else:
+                        release = False
+                        if not self.xact_mark:
+                            self.xact_mark = self.busy_since
+                    self.ready_at = now
+                    if pending < 0:
+                        self.desync("a ReadyForQuery nobody asked for")
+                tracker = client.tracker
+                if tracker is not None and tracker.work:
+                    tracker.settle(
+                        client.answered, self.sqlstate, status, self, self.pool.proxy.clock
+                    )
+                    client.pins = tracker.reasons()
+                statements = self.statements
+                statements.segments_done += 1
+                if statements.expect:
+                    statements.on_ready()
+                sqlstate = self.sqlstate
+                if sqlstate is not None:
+                    self.sqlstate = None
+                else:
+                    breaker = self.breaker
+                    if breaker.state is not BREAKER_CLOSED or breaker.consecutive_failures:
+                        breaker.record_success()  # only news when something was wrong
+                if inflight:
+                    if inflight[0][0] == REC_SYNC:
+                        inflight.popleft()  # the end of an extended-protocol batch
+                    else:  # a simple Query (or FunctionCall) is complete
+                        if not t_done:
+                            t_done = now_ns
+                        self._record_fast(client, self.last_tag, sqlstate, t_done)
+                self.last_tag = b""
+            elif kind == _C:
+                tag = chunk[pos + 5 : end]
+                self.last_tag = tag
+                if inflight and inflight[0][0] == REC_EXECUTE:
+                    if not t_done:
+                        t_done = _now_ns()
+                    self._record_fast(client, tag, None, t_done)
+            else:  # EmptyQueryResponse, PortalSuspended
+                if inflight and inflight[0][0] == REC_EXECUTE:
+                    if not t_done:
+                        t_done = _now_ns()
+                    self._record_fast(client, b"", None, t_done)
+            pos = end
+        if self.state is S_CLOSED:
+            return  # the client was just dropped
+        client.unanswered = None
+        client.transport.write(chunk)
+        if release:
+            self._ready_fast(client)
+
+    cdef void _record_fast(self, ClientCore client, tag, sqlstate, long long t_done) except *:
+        """ServerConnection._record: one statement is complete, one append."""
+        _, text, t_received = client.inflight.popleft()
+        cdef long long received = t_received
+        cdef long long t_acquired = client.t_acquired
+        if t_acquired < received:
+            t_acquired = received
+        self.observe(
+            (client.context, text, t_received, t_acquired, t_acquired, t_done, tag, sqlstate,
+             client.pins)
+        )
+
+    cdef void _ready_fast(self, ClientCore client) except *:
+        """ClientConnection.on_server_ready: give the server back if pooling allows."""
+        if not client.transaction_pooling or not client._at_boundary_fast():
+            return
+        tracker = client.tracker
+        if tracker is not None and type(tracker) is not TransactionTracker and tracker.pinned:
+            return  # session state lives on this server: keep it
+        client._retried = False
+        pool = client.pool
+        if not pool.waiters and not pool.paused:
+            # Nobody needs it now: keep it (no release/acquire per transaction)
+            # and hand it over as soon as another client asks for one.
+            if not client.parked:
+                client.parked = True
+                pool.parked[client] = None
+            return
+        client.server = None
+        self.unlink()
+        pool.release(self)

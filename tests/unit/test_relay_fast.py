@@ -1,0 +1,310 @@
+"""The compiled relay fast paths (scry/_relay.pyx) against the Python relay.
+
+Two identical rigs (one pool, two servers, three clients, fake transports)
+are driven through the same random exchanges: clients send simple queries,
+transaction blocks, errors, extended-protocol batches, pipelines and
+statements that change session state; servers answer them whole, split at
+any byte, or with messages the fast path leaves to Python (ParameterStatus,
+ErrorResponse, ParseComplete, notices). In one rig every chunk goes through
+the connections' ``data_received`` (the compiled fast paths first); in the
+other straight to ``_data_received`` (the Python relay, the reference).
+After every step both rigs must agree on everything: the bytes each
+transport was given, every counter and field the relay keeps, which client
+holds which server, the pool's queue, parking and statistics, and the
+observability records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scry import relay_core
+from scry.client import READY, ClientConnection
+from scry.config import Config
+from scry.hybrid import SessionTracker, TransactionTracker
+from scry.pool import Pool
+from scry.protocol import messages as m
+from scry.proxy import Proxy
+from scry.server import IDLE, ServerConnection
+
+pytestmark = pytest.mark.skipif(not relay_core.COMPILED, reason="the extension was not built")
+
+
+class Recorder(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.data += data
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("127.0.0.1", 5432)
+
+
+def msg(kind: bytes, body: bytes = b"") -> bytes:
+    return kind + struct.pack("!i", len(body) + 4) + body
+
+
+def rfq(status: str) -> bytes:
+    return m.ready_for_query(ord(status))
+
+
+ROWS = m.row_description([("n", 23)]) + m.data_row(["1"]) + m.data_row(["2"])
+NOTICE = msg(b"N", b"SNOTICE\x00C00000\x00Mhello\x00\x00")
+PARAMETER = m.parameter_status("application_name", "other")
+ERROR = m.error_response("22012", "division by zero")
+PARSE_COMPLETE, BIND_COMPLETE = msg(b"1"), msg(b"2")
+
+
+def extended(text: str) -> bytes:
+    return (
+        msg(b"P", b"\x00" + text.encode() + b"\x00\x00\x00")
+        + msg(b"B", b"\x00\x00\x00\x00\x00\x00\x00\x00")
+        + msg(b"D", b"P\x00")
+        + msg(b"E", b"\x00\x00\x00\x00\x00")
+        + msg(b"S")
+    )
+
+
+# name -> (client bytes, a function of the transaction status so far ('I', 'T'
+# or 'E') giving PostgreSQL's answer and the status after it).
+REQUESTS: dict[str, tuple[bytes, Any]] = {
+    "select": (
+        m.query("SELECT n FROM t WHERE id = 42"),
+        lambda tx: (ROWS + m.command_complete("SELECT 2") + rfq(tx), tx),
+    ),
+    "select_notice": (
+        m.query("SELECT n FROM t WHERE id = 7"),
+        lambda tx: (NOTICE + ROWS + m.command_complete("SELECT 2") + rfq(tx), tx),
+    ),
+    "begin": (m.query("BEGIN"), lambda tx: (m.command_complete("BEGIN") + rfq("T"), "T")),
+    "commit": (m.query("COMMIT"), lambda tx: (m.command_complete("COMMIT") + rfq("I"), "I")),
+    "error": (
+        m.query("SELECT 1/0"),
+        lambda tx: (ERROR + rfq("E" if tx != "I" else "I"), "E" if tx != "I" else "I"),
+    ),
+    "rollback": (
+        m.query("ROLLBACK"),
+        lambda tx: (m.command_complete("ROLLBACK") + rfq("I"), "I"),
+    ),
+    "empty": (m.query(""), lambda tx: (msg(b"I") + rfq(tx), tx)),
+    "set": (
+        m.query("SET application_name = 'other'"),
+        lambda tx: (PARAMETER + m.command_complete("SET") + rfq(tx), tx),
+    ),
+    "set_work_mem": (
+        m.query("SET work_mem = '64MB'"),
+        lambda tx: (m.command_complete("SET") + rfq(tx), tx),
+    ),
+    "discard": (
+        m.query("DISCARD ALL"),
+        lambda tx: (m.command_complete("DISCARD ALL") + rfq("I"), "I"),
+    ),
+    "extended": (
+        extended("SELECT n FROM t WHERE id = $1"),
+        lambda tx: (
+            PARSE_COMPLETE + BIND_COMPLETE + ROWS + m.command_complete("SELECT 2") + rfq(tx),
+            tx,
+        ),
+    ),
+    "pipeline": (
+        m.query("SELECT n FROM t WHERE id = 1") + m.query("SELECT n FROM t WHERE id = 2"),
+        lambda tx: (
+            (ROWS + m.command_complete("SELECT 2") + rfq(tx)) * 2,
+            tx,
+        ),
+    ),
+}
+
+
+class Rig:
+    """One pool (size 2, both servers up and idle) and three clients."""
+
+    def __init__(self, mode: str, observe: bool, fast: bool) -> None:
+        config = Config.model_validate(
+            {
+                "database_url": "postgres://app:pw@127.0.0.1:5432/app",
+                "pool": {"mode": mode, "size": 2},
+                "observability": {"fingerprinting": observe},
+            }
+        )
+        self.fast = fast
+        self.proxy = Proxy(config)
+        self.pool = self.proxy.pool_for(self.proxy.targets["app"], "app", "pw")
+        self.pool.welcome = {}
+        self.records: list[tuple[Any, ...]] = []
+        self.servers = []
+        for _ in range(2):
+            server = ServerConnection(self.pool)
+            server.transport = Recorder()
+            server.state = IDLE
+            server.observe = self.records.append
+            self.pool.servers.add(server)
+            self.pool.idle.append(server)
+            self.servers.append(server)
+        self.clients = []
+        for _ in range(3):
+            client = ClientConnection(self.proxy)
+            client.transport = Recorder()
+            client.state = READY
+            client.pool = self.pool
+            client.stats = self.pool.stats
+            client.transaction_pooling = mode != "session"
+            if mode == "hybrid" or not observe:
+                client.tracker = SessionTracker(client.id, pinning=mode == "hybrid")
+            else:
+                client.tracker = TransactionTracker(client.id)
+            client.observed = observe
+            self.clients.append(client)
+
+    def client_sends(self, i: int, data: bytes) -> None:
+        client = self.clients[i]
+        (client.data_received if self.fast else client._data_received)(data)
+
+    def server_sends(self, j: int, data: bytes) -> None:
+        server = self.servers[j]
+        (server.data_received if self.fast else server._data_received)(data)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the relay keeps, with connections named by their index."""
+        index = {id(x): n for n, x in enumerate(self.servers)}
+        cindex = {id(x): n for n, x in enumerate(self.clients)}
+        named = {c.id: n for n, c in enumerate(self.clients)}
+        stats = self.pool.stats
+        return {
+            "clients": [
+                (
+                    c.state, c.ordinal, c.answered, c.parked, index.get(id(c.server)),
+                    [(k, t) for k, t, _ in c.inflight], c.unanswered is None, len(c._queue),
+                    bool(c.waiting_since), c._unsynced, c._unnamed_open, c.pins,
+                    c._syncs_since_execute, c._early_syncs, c._retried,
+                    bytes(c.transport.data), c.params, c.tracker.work,
+                )
+                for c in self.clients
+            ],
+            "servers": [
+                (
+                    s.state, s.pending, s.tx_status, s.last_tag, s.swallow, s.sqlstate,
+                    cindex.get(id(s.client)), s.desynced, bool(s.xact_mark), s.copy,
+                    s.statements.segments_sent, s.statements.segments_done,
+                    bytes(s.transport.data), s.applied,
+                )
+                for s in self.servers
+            ],
+            "pool": (
+                [index[id(s)] for s in self.pool.idle],
+                [cindex[id(c)] for c in self.pool.parked],
+                [cindex[id(c)] for c in self.pool.waiters],
+                stats.server_assignment_count, stats.xact_count, stats.query_count,
+                stats.received, stats.sent, stats.xact_time > 0, stats.query_time > 0,
+            ),
+            "records": [
+                (named[r[0].client_id] if r[0] else None, r[1], r[6], r[7], r[8], r[2] <= r[5])
+                for r in self.records
+            ],
+        }  # fmt: skip
+
+
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
+    monkeypatch.setattr(Pool, "_spawn", lambda pool: None)  # no PostgreSQL here
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        yield loop
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+# A step: a client sends a request, or a client's server answers its oldest
+# request in one chunk or cut at a fraction of its length.
+steps = st.lists(
+    st.tuples(
+        st.sampled_from(["send", "answer", "answer"]),
+        st.integers(0, 2),
+        st.sampled_from(sorted(REQUESTS)),
+        st.one_of(st.none(), st.floats(0.01, 0.99)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def drive(rigs: list[Rig], script: list[tuple[str, int, str, float | None]]) -> None:
+    owed: list[list[str]] = [[] for _ in range(3)]  # requests each client awaits
+    status = ["I"] * 3  # each client's transaction block status, as PostgreSQL has it
+    for action, i, name, cut in script:
+        if action == "send":
+            for rig in rigs:
+                rig.client_sends(i, REQUESTS[name][0])
+            owed[i].append(name)
+        else:
+            server = rigs[0].clients[i].server
+            if server is None or not owed[i] or server.pending <= 0:
+                continue
+            j = rigs[0].servers.index(server)
+            answer, status[i] = REQUESTS[owed[i].pop(0)][1](status[i])
+            pieces = [answer]
+            if cut is not None:
+                at = max(1, int(len(answer) * cut))
+                pieces = [answer[:at], answer[at:]]
+            for piece in pieces:
+                for rig in rigs:
+                    rig.server_sends(j, piece)
+        first, *others = (rig.snapshot() for rig in rigs)
+        for other in others:
+            assert other == first, (action, i, name, cut)
+
+
+@pytest.mark.parametrize(
+    ("mode", "observe"),
+    [("transaction", True), ("transaction", False), ("hybrid", True), ("session", True)],
+)
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(script=steps)
+def test_fast_paths_do_what_the_python_relay_does(
+    loop: asyncio.AbstractEventLoop, mode: str, observe: bool, script: list[Any]
+) -> None:
+    drive([Rig(mode, observe, fast=True), Rig(mode, observe, fast=False)], script)
+
+
+def test_the_fast_paths_serve_plain_transactions(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pgbench -S transaction never reaches the Python relay."""
+    rig = Rig("transaction", observe=True, fast=True)
+    slow: list[str] = []
+    monkeypatch.setattr(ClientConnection, "_data_received", lambda self, d: slow.append("c"))
+    monkeypatch.setattr(ServerConnection, "_data_received", lambda self, d: slow.append("s"))
+    rig.servers[0].state = rig.servers[1].state = IDLE
+    client = rig.clients[0]
+    server = rig.pool.acquire_nowait()
+    assert server is not None
+    client._link(server)
+    for n in range(100):
+        client.data_received(m.query(f"SELECT abalance FROM pgbench_accounts WHERE aid = {n}"))
+        server.data_received(ROWS + m.command_complete("SELECT 2") + rfq("I"))
+    assert slow == []
+    assert (client.ordinal, client.answered, server.pending) == (100, 100, 0)
+    assert client.parked and rig.pool.stats.xact_count == 100
+    assert [r[6] for r in rig.records] == [b"SELECT 2\x00"] * 100
