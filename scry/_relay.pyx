@@ -29,7 +29,9 @@ from scry.protocol._scan cimport MessageScanner
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import TransactionTracker
-from scry.relay_core import CLOSED, READY, S_ACTIVE, S_CLOSED
+from scry.relay_core import CLOSED, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE
+
+cdef long long _MAX_QUEUED = MAX_QUEUED_BYTES
 
 
 cdef extern from "<time.h>" nogil:
@@ -115,13 +117,14 @@ cdef class ClientCore:
     """The per-message fields of a client connection, and its fast path."""
 
     cdef public object state, transport, tracker, inflight, pool, unanswered, context, pins
-    cdef public object _messages, _scanner
+    cdef public object _messages, _scanner, _queue, params, proxy
     cdef public ServerCore server
     cdef public PoolStats stats
-    cdef public long long ordinal, answered, t_acquired
+    cdef public long long ordinal, answered, t_acquired, waiting_since
+    cdef public long long _queued_owed, _queued_bytes
     cdef public double last_active
     cdef public bint parked, observed, transaction_pooling, statement_pooling, _retried
-    cdef public bint _unsynced, _unnamed_open
+    cdef public bint _unsynced, _unnamed_open, _paused_waiting
     cdef public long _syncs_since_execute, _early_syncs
 
     def data_received(self, data):
@@ -164,7 +167,7 @@ cdef class ClientCore:
             self._unpark_fast()
         cdef ServerCore server = self.server
         if server is None:
-            self._forward(chunk, 1, n)
+            self._queue_fast(chunk, n)
             return
         self.unanswered = None
         if server.pending == 0:
@@ -172,6 +175,72 @@ cdef class ClientCore:
         server.pending += 1
         server.statements.segments_sent += 1
         server.transport.write(chunk)
+
+    cdef void _queue_fast(self, bytes chunk, Py_ssize_t n) except *:
+        """ClientConnection._forward with no server: queue the Query, then
+        _get_server (its common case inline: no idle or parked server, so
+        the client waits for the next one released)."""
+        self._queue.append((chunk, 1))
+        self._queued_owed += 1
+        self._queued_bytes += n
+        if self._queued_bytes > _MAX_QUEUED and not self._paused_waiting:
+            # Bound what a client can make us hold while it waits for a server.
+            self._paused_waiting = True
+            self.transport.pause_reading()
+        if self.state is not READY or self.waiting_since:
+            return  # (already queued at the pool)
+        pool = self.pool
+        if (
+            self.proxy.draining
+            or pool.breaker.state is not BREAKER_CLOSED
+            or pool.paused or pool.idle or pool.parked
+        ):
+            self._get_server()
+            return
+        # No timer per wait: the janitor enforces query_wait_timeout on the queue.
+        self.waiting_since = _now_ns()
+        pool.wait(self)
+
+    cdef void _link_fast(self, ServerCore server, long long now) except *:
+        """ClientConnection._link: take ``server`` and send it what waited."""
+        self.server = server
+        self.stats.server_assignment_count += 1
+        server._link_fast(self)
+        tracker = self.tracker
+        if tracker is not None and tracker.needs_replay:
+            self._replay_on(server)
+        queue = self._queue
+        if not queue:
+            return
+        if len(queue) != 1 or type(queue[0][0]) is not bytes:
+            self._send_queue(server)
+            return
+        data, owed = queue[0]
+        server.statements.segments_sent += owed
+        # Kept until the server answers: if it dies first, nothing ran and
+        # the same messages can go to another server.
+        self.unanswered = queue
+        self._queue = []
+        server.busy_since = _seconds(now)
+        server.pending += self._queued_owed
+        self._queued_owed = 0
+        self._queued_bytes = 0
+        server.transport.write(data)
+
+    cdef bint _attach_fast(self, ServerCore server, pool) except -1:
+        """ClientConnection.attach: the pool hands this waiting client ``server``."""
+        if self.state is not READY:
+            return False
+        cdef long long now = _now_ns()
+        pool.total_wait_us += (now - self.waiting_since) // 1000
+        pool.waits += 1
+        self.waiting_since = 0
+        self.t_acquired = now
+        self._link_fast(server, now)
+        if self._paused_waiting:
+            self._paused_waiting = False
+            self._update_reading()
+        return True
 
     cdef void _unpark_fast(self) except *:
         """ClientConnection._unpark: a parked client starts a new transaction."""
@@ -203,12 +272,13 @@ cdef class ServerCore:
     """The per-message fields of a server connection, and its fast path."""
 
     cdef public object state, transport, statements, sqlstate, breaker, last_tag, observe, pool
-    cdef public object _scanner
+    cdef public object _scanner, applied
     cdef public ClientCore client
     cdef public PoolStats stats
-    cdef public long long pending, swallow, copy
+    cdef public long long pending, swallow, copy, cancels_pending
     cdef public int tx_status
-    cdef public double busy_since, xact_mark, ready_at
+    cdef public double busy_since, xact_mark, ready_at, last_used
+    cdef public bint desynced, retire, paused_by_client
 
     def data_received(self, data):
         if self.state is not S_ACTIVE or self.swallow or self.copy or type(data) is not bytes:
@@ -368,5 +438,43 @@ cdef class ServerCore:
                 pool.parked[client] = None
             return
         client.server = None
-        self.unlink()
-        pool.release(self)
+        self._hand_over(pool)
+
+    cdef void _link_fast(self, ClientCore client) except *:
+        """ServerConnection.link: serve ``client``."""
+        self.state = S_ACTIVE
+        self.client = client
+        self.pending = 0
+        self.copy = 0
+        statements = self.statements
+        if statements.expect:  # all answered while idle; nothing may linger
+            statements.expect.clear()
+        if client._messages is None:
+            # Its unnamed Parses are not followed: the unnamed statement is nobody's.
+            statements.unnamed_owner = None
+        wanted = client.params
+        if self.applied is not wanted:
+            self._apply_settings(wanted)
+
+    cdef void _hand_over(self, pool) except *:
+        """ServerConnection.unlink, then Pool.release: the commonest case (a
+        clean server straight to the oldest waiting client) inline."""
+        self.client = None
+        self.state = S_IDLE
+        if self.paused_by_client:
+            self.paused_by_client = False
+            self.transport.resume_reading()
+        # (Clean: nothing owed, idle, at a boundary; _ready_fast is only called so.)
+        if self.cancels_pending or self.desynced or self.retire or pool.stale:
+            pool.release(self)
+            return
+        waiters = pool.waiters
+        while waiters and not pool.paused:
+            waiter = waiters.popleft()
+            if isinstance(waiter, ClientCore):
+                if (<ClientCore>waiter)._attach_fast(self, pool):
+                    return
+            elif waiter.attach(self):
+                return
+        self.last_used = pool.proxy.clock
+        pool.idle.append(self)

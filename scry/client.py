@@ -42,7 +42,16 @@ from scry.protocol.errors import (
 )
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ClientStatements
-from scry.relay_core import AUTH, CLOSED, COMPILED, LOGIN, READY, STARTUP, ClientCore
+from scry.relay_core import (
+    AUTH,
+    CLOSED,
+    COMPILED,
+    LOGIN,
+    MAX_QUEUED_BYTES,
+    READY,
+    STARTUP,
+    ClientCore,
+)
 from scry.server import REC_EXECUTE, REC_QUERY, ServerConnection
 
 if TYPE_CHECKING:
@@ -83,8 +92,6 @@ TRACKED_PARAMETERS = frozenset(
         "search_path",
     }
 )
-# Client bytes held while waiting for a server before reading pauses.
-MAX_QUEUED_BYTES = 256 * 1024
 
 
 _ids = itertools.count(1)
@@ -97,10 +104,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
     # Slots: with more than 30 attributes CPython 3.11 gives up sharing instance
     # dict keys; the fields touched per message are ClientCore's (scry.relay_core).
     __slots__ = (
-        "_addr", "_auth", "_last_text", "_named_texts", "_paused_by_server", "_paused_waiting",
-        "_queue", "_queued_bytes", "_queued_owed", "_reader", "_startup_buf", "_unnamed_rest",
-        "_unnamed_text", "application_name", "cancel_key", "connected_at", "connected_clock",
-        "database", "id", "params", "proxy", "statements", "tls", "user", "waiting_since",
+        "_addr", "_auth", "_last_text", "_named_texts", "_paused_by_server", "_reader",
+        "_startup_buf", "_unnamed_rest", "_unnamed_text", "application_name", "cancel_key",
+        "connected_at", "connected_clock", "database", "id", "statements", "tls", "user",
         "__weakref__"
     )  # fmt: skip
 
@@ -468,11 +474,21 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         server.link(self)
         tracker = self.tracker
         if tracker is not None and tracker.needs_replay:
-            # This client's SETs and PREPAREs were left on a reclaimed server:
-            # re-create them here, before its query, and hide the answers.
-            tracker.needs_replay = False
-            server.swallow += 1
-            server.transport.write(m.query(tracker.replay_sql()))  # type: ignore[union-attr]
+            self._replay_on(server)
+        if self._queue:
+            self._send_queue(server)
+
+    def _replay_on(self, server: ServerConnection) -> None:
+        """This client's SETs and PREPAREs were left on a reclaimed server:
+        re-create them here, before its query, and hide the answers."""
+        tracker = self.tracker
+        assert tracker is not None
+        tracker.needs_replay = False
+        server.swallow += 1
+        server.transport.write(m.query(tracker.replay_sql()))  # type: ignore[union-attr]
+
+    def _send_queue(self, server: ServerConnection) -> None:
+        """What the client sent while it waited, to the server it now has."""
         queue = self._queue
         if queue:
             statements = server.statements

@@ -30,6 +30,10 @@ S_CONNECTING, S_LOGIN, S_IDLE, S_ACTIVE, S_INTERNAL, S_CLOSED = (
 )
 
 
+# Client bytes held while waiting for a server before reading pauses.
+MAX_QUEUED_BYTES = 256 * 1024
+
+
 class PyPoolStats:
     """PgBouncer's per-pool traffic counters (SHOW STATS), bumped on the hot path.
 
@@ -61,11 +65,12 @@ class PyClientCore:
     """The fields of a client connection that the relay touches per message."""
 
     __slots__ = (
-        "_early_syncs", "_messages", "_retried", "_scanner", "_syncs_since_execute",
-        "_unnamed_open", "_unsynced", "answered", "context", "inflight", "last_active",
-        "observed", "ordinal", "parked", "pins", "pool", "server", "state",
-        "statement_pooling", "stats", "t_acquired", "tracker", "transaction_pooling",
-        "transport", "unanswered",
+        "_early_syncs", "_messages", "_paused_waiting", "_queue", "_queued_bytes",
+        "_queued_owed", "_retried", "_scanner", "_syncs_since_execute", "_unnamed_open",
+        "_unsynced", "answered", "context", "inflight", "last_active", "observed", "ordinal",
+        "params", "parked", "pins", "pool", "proxy", "server", "state", "statement_pooling",
+        "stats", "t_acquired", "tracker", "transaction_pooling", "transport", "unanswered",
+        "waiting_since",
     )  # fmt: skip
 
 
@@ -73,8 +78,9 @@ class PyServerCore:
     """The fields of a server connection that the relay touches per message."""
 
     __slots__ = (
-        "_scanner", "breaker", "busy_since", "client", "copy", "last_tag", "observe",
-        "pending", "pool", "ready_at", "sqlstate", "state", "statements", "stats", "swallow",
+        "_scanner", "applied", "breaker", "busy_since", "cancels_pending", "client", "copy",
+        "desynced", "last_tag", "last_used", "observe", "paused_by_client", "pending", "pool",
+        "ready_at", "retire", "sqlstate", "state", "statements", "stats", "swallow",
         "transport", "tx_status", "xact_mark",
     )  # fmt: skip
 

@@ -123,10 +123,10 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     # dict keys; the fields touched per message are ServerCore's (scry.relay_core).
     __slots__ = (
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
-        "_login_waiter", "_reader", "_tls_answer", "applied", "backend_pid", "backend_secret",
-        "cancels_pending", "close_reason", "copy_early", "copy_window", "created_at",
-        "desynced", "id", "internal_error_fields", "last_used", "local_addr", "params",
-        "paused_by_client", "proxy", "release_after_cancel", "retire", "tls", "__weakref__"
+        "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
+        "close_reason", "copy_early", "copy_window", "created_at", "id",
+        "internal_error_fields", "local_addr", "params", "proxy", "release_after_cancel", "tls",
+        "__weakref__"
     )  # fmt: skip
 
     def __init__(self, pool: Pool) -> None:
@@ -666,12 +666,17 @@ class ServerConnection(ServerCore, asyncio.Protocol):
             statements.unnamed_owner = None
         wanted = client.params
         if self.applied is not wanted:
-            if self.applied != wanted:
-                sql = settings_sql(self.applied, wanted)
-                if sql:
-                    self.swallow += 1
-                    self.transport.write(m.query(sql))  # type: ignore[union-attr]
-            self.applied = wanted
+            self._apply_settings(wanted)
+
+    def _apply_settings(self, wanted: dict[str, str]) -> None:
+        """SET (and RESET) what the newly linked client's settings need; its
+        answers are hidden from the client."""
+        if self.applied != wanted:
+            sql = settings_sql(self.applied, wanted)
+            if sql:
+                self.swallow += 1
+                self.transport.write(m.query(sql))  # type: ignore[union-attr]
+        self.applied = wanted
 
     def unlink(self) -> None:
         self.client = None

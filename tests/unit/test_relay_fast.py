@@ -105,6 +105,11 @@ REQUESTS: dict[str, tuple[bytes, Any]] = {
         lambda tx: (m.command_complete("ROLLBACK") + rfq("I"), "I"),
     ),
     "empty": (m.query(""), lambda tx: (msg(b"I") + rfq(tx), tx)),
+    # A ReadyForQuery nobody asked for: the server is closed, never reused.
+    "stray_ready": (
+        m.query("SELECT n FROM t WHERE id = 9"),
+        lambda tx: (ROWS + m.command_complete("SELECT 2") + rfq(tx) + rfq(tx), tx),
+    ),
     "set": (
         m.query("SET application_name = 'other'"),
         lambda tx: (PARAMETER + m.command_complete("SET") + rfq(tx), tx),
@@ -212,7 +217,7 @@ class Rig:
                 [index[id(s)] for s in self.pool.idle],
                 [cindex[id(c)] for c in self.pool.parked],
                 [cindex[id(c)] for c in self.pool.waiters],
-                stats.server_assignment_count, stats.xact_count, stats.query_count,
+                self.pool.waits, stats.server_assignment_count, stats.xact_count, stats.query_count,
                 stats.received, stats.sent, stats.xact_time > 0, stats.query_time > 0,
             ),
             "records": [
