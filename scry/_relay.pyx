@@ -5,9 +5,9 @@
 ``ServerConnection``: their per-message fields are C struct members, and
 their ``data_received`` serves the commonest chunks in C:
 
-* from a client, one whole simple Query while the client has (or has
-  parked) a server: what ``ClientConnection._relay_query`` and ``_forward``
-  do, step for step;
+* from a client, one whole simple Query: what ``ClientConnection._relay_query``
+  and ``_forward`` do, step for step, down to taking a server from the pool or
+  joining its queue (and a lone Terminate);
 * from a server, whole messages at a message boundary, none of them one the
   relay must parse (ParameterStatus, ErrorResponse, ParseComplete,
   CloseComplete, CopyInResponse): what ``ServerConnection._relay`` does for
@@ -56,6 +56,7 @@ cdef inline Py_ssize_t _length_at(const unsigned char* p) noexcept nogil:
 cdef enum:
     # Message types (scry.protocol.messages).
     _Q = 81  # 'Q' Query
+    _X = 88  # 'X' Terminate
     _Z = 90  # 'Z' ReadyForQuery
     _C = 67  # 'C' CommandComplete
     _I = 73  # 'I' EmptyQueryResponse
@@ -135,14 +136,19 @@ cdef class ClientCore:
         cdef Py_ssize_t n = PyBytes_GET_SIZE(chunk)
         cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(chunk)
         scanner = self._scanner
-        if type(scanner) is not MessageScanner or n < 5 or p[0] != _Q:
+        if type(scanner) is not MessageScanner or n < 5:
             self._data_received(data)
             return
         cdef MessageScanner s = <MessageScanner>scanner
-        if (
-            s._remaining or PyBytes_GET_SIZE(s._held)
-            or _length_at(p + 1) + 1 != n or n - 5 > s._max or n - 5 > s._max_collect
-        ):
+        if s._remaining or PyBytes_GET_SIZE(s._held) or _length_at(p + 1) + 1 != n:
+            self._data_received(data)
+            return
+        if p[0] == _X and n == 5:
+            # A lone Terminate, how every client leaves (PgBouncer does not
+            # count it in the bytes received).
+            self._cleanup("client closed")
+            return
+        if p[0] != _Q or n - 5 > s._max or n - 5 > s._max_collect:
             self._data_received(data)
             return
         # One whole Query: ClientConnection._relay, _relay_query and _forward.
@@ -178,8 +184,8 @@ cdef class ClientCore:
 
     cdef void _queue_fast(self, bytes chunk, Py_ssize_t n) except *:
         """ClientConnection._forward with no server: queue the Query, then
-        _get_server (its common case inline: no idle or parked server, so
-        the client waits for the next one released)."""
+        _get_server (inline while the breaker is closed: a server from the
+        pool, or the pool's queue)."""
         self._queue.append((chunk, 1))
         self._queued_owed += 1
         self._queued_bytes += n
@@ -190,13 +196,14 @@ cdef class ClientCore:
         if self.state is not READY or self.waiting_since:
             return  # (already queued at the pool)
         pool = self.pool
-        if (
-            self.proxy.draining
-            or pool.breaker.state is not BREAKER_CLOSED
-            or pool.paused or pool.idle or pool.parked
-        ):
-            self._get_server()
+        if self.proxy.draining or pool.breaker.state is not BREAKER_CLOSED:
+            self._get_server()  # (it refuses the query)
             return
+        if pool.idle or pool.parked:
+            server = pool.acquire_nowait()
+            if server is not None:
+                self._link_fast(server, _now_ns())
+                return
         # No timer per wait: the janitor enforces query_wait_timeout on the queue.
         self.waiting_since = _now_ns()
         pool.wait(self)

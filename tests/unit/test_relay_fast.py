@@ -230,6 +230,8 @@ class Rig:
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
     monkeypatch.setattr(Pool, "_spawn", lambda pool: None)  # no PostgreSQL here
+    # (A client leaving mid-query cancels it; its server is closed either way.)
+    monkeypatch.setattr(ServerConnection, "send_cancel", lambda server: None)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
@@ -239,11 +241,11 @@ def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]
         loop.close()
 
 
-# A step: a client sends a request, or a client's server answers its oldest
-# request in one chunk or cut at a fraction of its length.
+# A step: a client sends a request, or leaves, or a client's server answers its
+# oldest request in one chunk or cut at a fraction of its length.
 steps = st.lists(
     st.tuples(
-        st.sampled_from(["send", "answer", "answer"]),
+        st.sampled_from(["send", "send", "send", "answer", "answer", "answer", "leave"]),
         st.integers(0, 2),
         st.sampled_from(sorted(REQUESTS)),
         st.one_of(st.none(), st.floats(0.01, 0.99)),
@@ -257,7 +259,11 @@ def drive(rigs: list[Rig], script: list[tuple[str, int, str, float | None]]) -> 
     owed: list[list[str]] = [[] for _ in range(3)]  # requests each client awaits
     status = ["I"] * 3  # each client's transaction block status, as PostgreSQL has it
     for action, i, name, cut in script:
-        if action == "send":
+        if action == "leave":  # the client's Terminate: its server is released or closed
+            for rig in rigs:
+                rig.client_sends(i, m.terminate())
+            owed[i].clear()
+        elif action == "send":
             for rig in rigs:
                 rig.client_sends(i, REQUESTS[name][0])
             owed[i].append(name)
@@ -290,7 +296,10 @@ def drive(rigs: list[Rig], script: list[tuple[str, int, str, float | None]]) -> 
 def test_fast_paths_do_what_the_python_relay_does(
     loop: asyncio.AbstractEventLoop, mode: str, observe: bool, script: list[Any]
 ) -> None:
-    drive([Rig(mode, observe, fast=True), Rig(mode, observe, fast=False)], script)
+    async def run() -> None:  # (inside the loop: a session-mode reset arms a timer)
+        drive([Rig(mode, observe, fast=True), Rig(mode, observe, fast=False)], script)
+
+    loop.run_until_complete(run())
 
 
 def test_the_fast_paths_serve_plain_transactions(
