@@ -690,6 +690,22 @@ def summarize(
             v["vs_pgbouncer"] = v["tps"] / ref_bouncer if v["tps"] and ref_bouncer else None
             v["vs_direct"] = v["tps"] / ref_direct if v["tps"] and ref_direct else None
             v["vs_floor"] = v["tps"] / ref_floor if v["tps"] and ref_floor else None
+        # The ratio to PgBouncer within each round (their runs are seconds apart),
+        # then the median of those: steadier than a ratio of medians when other
+        # load on the machine drifts during a run.
+        bouncer = next((t.label for t in targets if t.kind == "pgbouncer"), None)
+        by_round = {
+            (r.target, r.round): r.tps
+            for r in results
+            if r.scenario == sc.label and r.ok and r.tps is not None
+        }
+        for label, v in per.items():
+            ratios = [
+                tps / by_round[(bouncer, rnd)]
+                for (target, rnd), tps in by_round.items()
+                if target == label and by_round.get((bouncer, rnd))
+            ]
+            v["vs_pgbouncer_paired"] = median(list(ratios)) if bouncer and ratios else None
         summary[sc.label] = per
     return summary
 
@@ -787,15 +803,16 @@ def print_report(
                 f"{statistics.median(other):.0f}% of a core, max {max(other_max, default=0):.0f}%"
             )
     print(
-        "\nSummary (median tps; scry and floor targets / PgBouncer, / direct, scry / floor; "
-        "proxy CPU µs per txn):"
+        "\nSummary (median tps; scry and floor targets / PgBouncer (and the median of the "
+        "ratios within each round), / direct, scry / floor; proxy CPU µs per txn):"
     )
     for sc in scenarios:
         per = summary[sc.label]
         bouncer = next((b for b in per.values() if b["kind"] == "pgbouncer"), None)
         has_floor = any(v["kind"] == "floor" for v in per.values())
         lines = [
-            f"  {sc.label:<6} {label:<14} {fmt(v['vs_pgbouncer'], '.2f', '×')} PgBouncer  "
+            f"  {sc.label:<6} {label:<14} {fmt(v['vs_pgbouncer'], '.2f', '×')} PgBouncer "
+            f"({fmt(v['vs_pgbouncer_paired'], '.2f', '×')} same-round)  "
             f"{fmt(v['vs_direct'], '.2f', '×')} direct  "
             + (
                 f"{fmt(v['vs_floor'], '.2f', '×')} floor  "
