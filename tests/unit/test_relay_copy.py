@@ -18,6 +18,7 @@ import struct
 from collections.abc import Iterator
 
 import pytest
+from fake_transport import Recorder, msg
 
 from scry.client import READY, ClientConnection
 from scry.config import Config
@@ -26,35 +27,6 @@ from scry.pool import Pool
 from scry.protocol import messages as m
 from scry.proxy import Proxy
 from scry.server import CLOSED, IDLE, ServerConnection
-
-
-class Recorder(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.data = bytearray()
-
-    def write(self, data: bytes) -> None:  # type: ignore[override]
-        self.data += data
-
-    def take(self) -> bytes:
-        out, self.data = bytes(self.data), bytearray()
-        return out
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return ("127.0.0.1", 5432)
-
-
-def msg(kind: bytes, body: bytes = b"") -> bytes:
-    return kind + struct.pack("!i", len(body) + 4) + body
 
 
 def kinds(data: bytes) -> str:

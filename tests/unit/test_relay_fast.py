@@ -17,11 +17,11 @@ observability records.
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fake_transport import Recorder, msg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,31 +35,6 @@ from scry.proxy import Proxy
 from scry.server import IDLE, ServerConnection
 
 pytestmark = pytest.mark.skipif(not relay_core.COMPILED, reason="the extension was not built")
-
-
-class Recorder(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.data = bytearray()
-
-    def write(self, data: bytes) -> None:  # type: ignore[override]
-        self.data += data
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return ("127.0.0.1", 5432)
-
-
-def msg(kind: bytes, body: bytes = b"") -> bytes:
-    return kind + struct.pack("!i", len(body) + 4) + body
 
 
 def rfq(status: str) -> bytes:
