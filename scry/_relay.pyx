@@ -29,7 +29,7 @@ from scry.protocol._scan cimport MessageScanner
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import TransactionTracker
-from scry.relay_core import CLOSED, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE
+from scry.relay_core import MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE
 
 cdef long long _MAX_QUEUED = MAX_QUEUED_BYTES
 
