@@ -22,14 +22,28 @@ frame, its code object, globals and a dozen attribute caches; here a step is
 a few struct fields and one call into the transport.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.time cimport timespec
 
 from scry.protocol._scan cimport MessageScanner
 
+import hashlib
+import hmac
+
+import scry.protocol.auth as _auth
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import TransactionTracker
-from scry.relay_core import MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE
+from scry.log import logging_info
+from scry.observe.record import ClientContext
+from scry.relay_core import (
+    AUTH, LOGIN, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE, STARTUP
+)
+
+_md5 = hashlib.md5
+_compare_digest = hmac.compare_digest
+# AuthenticationMD5Password without its salt; ReadyForQuery 'I'.
+_MD5_REQUEST = b"R\x00\x00\x00\x0c\x00\x00\x00\x05"
+_READY_IDLE = b"Z\x00\x00\x00\x05I"
 
 cdef long long _MAX_QUEUED = MAX_QUEUED_BYTES
 
@@ -111,6 +125,16 @@ cdef class PoolStats:
         self.bind_count = 0
 
 
+cdef class LoginPlan:
+    """What ``ClientLogin._begin_login`` worked out for one exact StartupMessage
+    (the compiled twin of scry.relay_core.PyLoginPlan; see ClientLogin._plan_login)."""
+
+    cdef public long long max_client_conn
+    cdef public object user, database, settings, application_name, pool, welcome, greeting
+    cdef public object method, secret, md5_inner
+    cdef public bint transaction_pooling, statement_pooling
+
+
 cdef class ServerCore
 
 
@@ -127,9 +151,18 @@ cdef class ClientCore:
     cdef public bint parked, observed, transaction_pooling, statement_pooling, _retried
     cdef public bint _unsynced, _unnamed_open, _paused_waiting
     cdef public long _syncs_since_execute, _early_syncs
+    cdef public object _plan, _salt
 
     def data_received(self, data):
-        if self.state is not READY or self._messages is not None or type(data) is not bytes:
+        state = self.state
+        if state is not READY or self._messages is not None or type(data) is not bytes:
+            if type(data) is bytes:
+                if state is STARTUP:
+                    if self._startup_fast(<bytes>data):
+                        return
+                elif state is AUTH and self._plan is not None:
+                    if self._password_fast(<bytes>data):
+                        return
             self._data_received(data)
             return
         cdef bytes chunk = <bytes>data
@@ -181,6 +214,98 @@ cdef class ClientCore:
         server.pending += 1
         server.statements.segments_sent += 1
         server.transport.write(chunk)
+
+    cdef bint _startup_fast(self, bytes chunk) except -1:
+        """A StartupMessage seen before, whole in one chunk: what
+        ClientLogin._startup_data and _begin_login would work out again is
+        the proxy's LoginPlan for these exact bytes."""
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(chunk)
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(chunk)
+        if n < 8 or _length_at(p) != n or _length_at(p + 4) != 196608:  # protocol 3.0
+            return False
+        proxy = self.proxy
+        found = proxy.login_plans.get(chunk)
+        if type(found) is not LoginPlan:
+            return False
+        cdef LoginPlan plan = <LoginPlan>found
+        pool = plan.pool
+        if (
+            pool.stale
+            or pool.welcome is not plan.welcome
+            or proxy.draining
+            or self.tls
+            or self._startup_buf
+            or len(proxy.clients) > plan.max_client_conn
+        ):
+            return False
+        self.user = plan.user
+        self.database = plan.database
+        self.params = plan.settings
+        self.application_name = plan.application_name
+        self.pool = pool
+        self.stats = pool.stats
+        self.transaction_pooling = plan.transaction_pooling
+        self.statement_pooling = plan.statement_pooling
+        self.tracker = self._new_tracker(pool.mode)
+        self._plan = plan
+        if plan.md5_inner is None:  # trust
+            self._login_done(plan)
+            return True
+        self.state = AUTH
+        salt = _auth._random_salt()
+        self._salt = salt
+        self.transport.write(_MD5_REQUEST + salt)
+        return True
+
+    cdef bint _password_fast(self, bytes chunk) except -1:
+        """The right md5 answer to a planned login's challenge, whole in one
+        chunk; anything else (a wrong one included) is ClientLogin's."""
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(chunk)
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(chunk)
+        # 'p', length, "md5" + 32 hex digits, NUL
+        if n != 41 or p[0] != 112 or _length_at(p + 1) != 40 or p[40] != 0:
+            return False
+        cdef LoginPlan plan = <LoginPlan>self._plan
+        if plan.pool.welcome is not plan.welcome:
+            return False
+        expected = b"md5" + _md5(plan.md5_inner + self._salt).hexdigest().encode()
+        if not _compare_digest(chunk[5:40], expected):
+            return False
+        self._login_done(plan)
+        return True
+
+    cdef void _login_done(self, LoginPlan plan) except *:
+        """ClientLogin._auth_step's success and _complete_login."""
+        self.state = LOGIN
+        self._plan = None
+        self._salt = None
+        proxy = self.proxy
+        pid, secret = proxy.register_cancel_key(self)
+        cdef unsigned char key[13]
+        cdef long long lpid = pid, lsecret = secret  # (int32, uint32: register_cancel_key's)
+        cdef unsigned int upid = <unsigned int>lpid, usecret = <unsigned int>lsecret
+        key[0] = 75  # 'K' BackendKeyData
+        key[1] = 0
+        key[2] = 0
+        key[3] = 0
+        key[4] = 12
+        key[5] = (upid >> 24) & 0xFF
+        key[6] = (upid >> 16) & 0xFF
+        key[7] = (upid >> 8) & 0xFF
+        key[8] = upid & 0xFF
+        key[9] = (usecret >> 24) & 0xFF
+        key[10] = (usecret >> 16) & 0xFF
+        key[11] = (usecret >> 8) & 0xFF
+        key[12] = usecret & 0xFF
+        self.transport.write(
+            plan.greeting + PyBytes_FromStringAndSize(<char*>key, 13) + _READY_IDLE
+        )
+        self.state = READY
+        self.context = ClientContext(
+            self.id, self.database, self.user, self.application_name, proxy.worker_id
+        )
+        if logging_info():
+            self._log_login()
 
     cdef void _queue_fast(self, bytes chunk, Py_ssize_t n) except *:
         """ClientConnection._forward with no server: queue the Query, then

@@ -51,6 +51,7 @@ from scry.relay_core import (
     READY,
     STARTUP,
     ClientCore,
+    LoginPlan,
 )
 from scry.server import REC_EXECUTE, REC_QUERY, ServerConnection
 
@@ -137,6 +138,8 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self._startup_buf = bytearray()
         self._reader: MessageReader | None = None
         self._auth: ClientAuthExchange | None = None
+        self._plan: LoginPlan | None = None  # a login ClientCore took in (ClientLogin._plan_login)
+        self._salt: bytes | None = None  # its md5 challenge
         self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size, mark=CLIENT_MARK)
         # Extended-protocol messages sent since the last Sync: the server owes
         # nothing yet but is mid-batch, so it must not change hands.

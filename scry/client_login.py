@@ -35,7 +35,7 @@ from scry.protocol.errors import (
     ProtocolViolation,
 )
 from scry.protocol.framing import MessageReader
-from scry.relay_core import AUTH, CLOSED, LOGIN, READY, STARTUP
+from scry.relay_core import AUTH, CLOSED, COMPILED, LOGIN, READY, STARTUP, LoginPlan
 from scry.server import ServerLoginError
 from scry.tls import peer_common_name
 
@@ -45,6 +45,7 @@ _CANONICAL = {"datestyle": "DateStyle", "intervalstyle": "IntervalStyle", "timez
 _NOT_SETTINGS = frozenset({"user", "database", "options", "replication"})
 
 _READY_IDLE = m.ready_for_query()
+_MAX_PLANS = 256  # distinct StartupMessages remembered (then forgotten all at once)
 
 
 def canonical_name(name: str) -> str:
@@ -142,6 +143,7 @@ class ClientLogin:
             if parsed is None:
                 return
             packet, used = parsed
+            raw = bytes(buf[:used]) if used == len(buf) else None
             del buf[:used]
             if isinstance(packet, st.SSLRequest):
                 context = self.proxy.client_tls.context
@@ -157,7 +159,7 @@ class ClientLogin:
                 self._cleanup("cancel request", quiet=True)
                 return
             else:
-                self._begin_login(packet)
+                self._begin_login(packet, raw)
 
     def _direct_tls(self, hello: bytes) -> None:
         context = self.proxy.client_tls.context
@@ -228,7 +230,9 @@ class ClientLogin:
         if self._startup_buf:
             self._startup_data(b"")
 
-    def _begin_login(self, packet: st.StartupMessage) -> None:
+    def _begin_login(self, packet: st.StartupMessage, raw: bytes | None = None) -> None:
+        """Check a StartupMessage and start authenticating; ``raw`` is the
+        packet's bytes when nothing came after it (see _plan_login)."""
         proxy = self.proxy
         params = packet.params
         self.user = packet.user
@@ -278,10 +282,7 @@ class ClientLogin:
         mode = self.pool.mode
         self.transaction_pooling = mode != "session"
         self.statement_pooling = mode == "statement"
-        if mode == "hybrid" or (mode != "session" and not proxy.observatory.enabled):
-            self.tracker = SessionTracker(self.id, pinning=mode == "hybrid")
-        elif mode != "session":
-            self.tracker = TransactionTracker(self.id)  # the drain warns, off the query path
+        self.tracker = self._new_tracker(mode)
         self._auth = ClientAuthExchange(
             proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
         )
@@ -289,13 +290,62 @@ class ClientLogin:
         self.state = AUTH
         rest = bytes(self._startup_buf)  # anything the client sent after its startup packet
         self._startup_buf.clear()
+        if raw is not None and COMPILED:
+            self._plan_login(raw)
         self._auth_step(self._auth.start())
         if rest:
             self.data_received(rest)
 
+    def _new_tracker(self, mode: str) -> SessionTracker | None:
+        if mode == "hybrid" or (mode != "session" and not self.proxy.observatory.enabled):
+            return SessionTracker(self.id, pinning=mode == "hybrid")
+        if mode != "session":
+            return TransactionTracker(self.id)  # the drain warns, off the query path
+        return None
+
+    def _plan_login(self, raw: bytes) -> None:
+        """Remember what this login worked out, for the compiled ClientCore to
+        log the next client that sends the same StartupMessage straight in
+        (pgbench -C, or any pool of connections an application opens alike):
+        only for md5 and trust over plain TCP, when the pool's first server
+        is up and no setting needs checking, and outside PgBouncer mode (its
+        console and DISABLE route logins). A reload forgets every plan."""
+        proxy = self.proxy
+        auth, pool = self._auth, self.pool
+        assert auth is not None and pool is not None
+        if (
+            auth.method not in ("md5", "trust")
+            or (auth.method == "md5" and auth.secret is None)
+            or self.tls
+            or proxy.config.pgbouncer is not None
+            or proxy.client_tls.mode != "disable"
+            or pool.welcome is None
+            or self._settings_to_check(pool.welcome)
+        ):
+            return
+        plan = LoginPlan()
+        plan.max_client_conn = proxy.config.pool.max_client_conn
+        plan.user, plan.database = self.user, self.database
+        plan.settings, plan.application_name = self.params, self.application_name
+        plan.pool, plan.welcome = pool, pool.welcome
+        plan.greeting = pool.login_greeting(self.params)
+        plan.method, plan.secret = auth.method, auth.secret
+        plan.md5_inner = auth.md5_inner() if auth.method == "md5" else None
+        plan.transaction_pooling = self.transaction_pooling
+        plan.statement_pooling = self.statement_pooling
+        plans = proxy.login_plans
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[raw] = plan
+
     def _auth_data(self, data: bytes) -> None:
         reader = self._reader
-        assert reader is not None and self._auth is not None
+        if reader is None:  # a planned login (ClientCore._startup_fast) the fast path left
+            reader = self._reader = MessageReader(self.proxy.config.max_packet_size)
+        if self._auth is None:
+            plan = self._plan
+            self._auth = ClientAuthExchange(plan.method, plan.user, plan.secret, salt=self._salt)
+            self._plan = self._salt = None
         reader.feed(data)
         try:
             while self.state is AUTH and (msg := reader.next_message()) is not None:
@@ -365,10 +415,12 @@ class ClientLogin:
             self.id, self.database, self.user, self.application_name, self.proxy.worker_id
         )
         if logging_info():  # (the address costs a getpeername syscall)
-            event("client login", client=self.id, addr=self.addr, user=self.user,
-                  db=self.database, app=self.application_name, pool=pool.name)  # fmt: skip
-        assert self._reader is not None
-        early = self._reader.take_remaining()
+            self._log_login()
+        early = self._reader.take_remaining() if self._reader is not None else b""
         self._reader = None
         if early:
             self._relay(early)
+
+    def _log_login(self) -> None:
+        event("client login", client=self.id, addr=self.addr, user=self.user,
+              db=self.database, app=self.application_name, pool=self.pool.name)  # fmt: skip

@@ -29,6 +29,7 @@ from scry.observe.record import ClientContext
 from scry.peering import KEY_MASK, Peering, new_cancel_key
 from scry.pool import Pool
 from scry.protocol.classify import Effect
+from scry.relay_core import LoginPlan
 from scry.tls import client_tls, server_tls
 from scry.workers import WorkerIdentity
 
@@ -57,6 +58,9 @@ class Proxy:
         self.client_tls = client_tls(config.tls)
         self.server_tls = server_tls(config.tls)
         self.pools: dict[tuple[str, str], Pool] = {}
+        # StartupMessage bytes -> what logging it in worked out (ClientLogin._plan_login);
+        # a reload forgets them all.
+        self.login_plans: dict[bytes, LoginPlan] = {}
         self.clients: set[ClientConnection] = set()
         self.cancel_keys: dict[tuple[int, int], ClientConnection] = {}
         self.listeners: list[asyncio.Server] = []
@@ -216,6 +220,7 @@ class Proxy:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
         self.config = new
         self.auth = auth
+        self.login_plans.clear()
         self.client_tls, self.server_tls = tls_in, tls_out
         self.targets = new.targets()
         for (name, _user), pool in self.pools.items():

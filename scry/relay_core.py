@@ -5,10 +5,11 @@
 setup.py could build ``scry/_relay.pyx`` they are its compiled classes: the
 same fields as typed C struct members, plus a ``data_received`` that serves
 the commonest chunks (one whole simple Query from a client; whole responses
-made only of rows, CommandComplete and ReadyForQuery from a server) without
-running any Python, and hands every other chunk to the connection's
-``_data_received``. Without a compiler they are the plain classes below and
-``_data_received`` is the ``data_received`` itself.
+made only of rows, CommandComplete and ReadyForQuery from a server; a
+StartupMessage and md5 answer a ``LoginPlan`` covers) without running any
+Python, and hands every other chunk to the connection's ``_data_received``.
+Without a compiler they are the plain classes below and ``_data_received``
+is the ``data_received`` itself.
 
 The compiled fast paths do exactly what the general Python relay does for
 those chunks (tests/unit/test_relay_fast.py drives both with the same
@@ -61,12 +62,23 @@ class PyPoolStats:
         self.bind_count = 0  # Bind of a named statement
 
 
+class PyLoginPlan:
+    """What a client's login worked out from one exact StartupMessage, for the
+    next client that sends the same bytes (see ClientLogin._plan_login)."""
+
+    __slots__ = (
+        "application_name", "database", "greeting", "max_client_conn", "md5_inner", "method",
+        "pool", "secret", "settings", "statement_pooling", "transaction_pooling", "user",
+        "welcome",
+    )  # fmt: skip
+
+
 class PyClientCore:
     """The fields of a client connection that the relay touches per message."""
 
     __slots__ = (
-        "_early_syncs", "_messages", "_paused_waiting", "_queue", "_queued_bytes",
-        "_queued_owed", "_retried", "_scanner", "_syncs_since_execute", "_unnamed_open",
+        "_early_syncs", "_messages", "_paused_waiting", "_plan", "_queue", "_queued_bytes",
+        "_queued_owed", "_retried", "_salt", "_scanner", "_syncs_since_execute", "_unnamed_open",
         "_unsynced", "answered", "context", "inflight", "last_active", "observed", "ordinal",
         "params", "parked", "pins", "pool", "proxy", "server", "state", "statement_pooling",
         "stats", "t_acquired", "tracker", "transaction_pooling", "transport", "unanswered",
@@ -86,9 +98,10 @@ class PyServerCore:
 
 
 try:  # the compiled twins, built by setup.py when a C compiler is at hand
-    from scry._relay import ClientCore, PoolStats, ServerCore
+    from scry._relay import ClientCore, LoginPlan, PoolStats, ServerCore
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
     ClientCore, PoolStats, ServerCore = PyClientCore, PyPoolStats, PyServerCore  # type: ignore[misc]
+    LoginPlan = PyLoginPlan  # type: ignore[misc]
 
 #: True when the compiled fast paths serve the relay.
 COMPILED = ClientCore is not PyClientCore

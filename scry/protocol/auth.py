@@ -130,7 +130,9 @@ class ClientAuthExchange:
     end (so a probe cannot tell unknown users from wrong passwords) and fails.
     """
 
-    def __init__(self, method: str, user: str, secret: str | None) -> None:
+    def __init__(
+        self, method: str, user: str, secret: str | None, *, salt: bytes | None = None
+    ) -> None:
         self.user = user
         self._secret = secret
         kind = secret_kind(secret) if secret is not None else "plain"
@@ -141,8 +143,18 @@ class ClientAuthExchange:
         if method == "scram-sha-256" and kind == "md5":
             method = "md5"
         self.method = method
-        self._salt = _random_salt()
+        # (``salt``: the md5 challenge already sent for this login)
+        self._salt = _random_salt() if salt is None else salt
         self._scram_server: Any = None
+
+    @property
+    def secret(self) -> str | None:
+        return self._secret
+
+    def md5_inner(self) -> bytes:
+        """The part of the stored md5 secret an answer hashes with the salt."""
+        assert self._secret is not None
+        return _stored_md5(self.user, self._secret)[3:].encode()
 
     def start(self) -> AuthStep:
         """The first message to send after the StartupMessage."""
