@@ -36,7 +36,7 @@ from scry.hybrid import TransactionTracker
 from scry.log import logging_info
 from scry.observe.record import ClientContext
 from scry.relay_core import (
-    AUTH, LOGIN, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE, STARTUP
+    AUTH, CLOSED, LOGIN, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE, STARTUP
 )
 
 _md5 = hashlib.md5
@@ -179,7 +179,7 @@ cdef class ClientCore:
         if p[0] == _X and n == 5:
             # A lone Terminate, how every client leaves (PgBouncer does not
             # count it in the bytes received).
-            self._cleanup("client closed")
+            self._leave_fast()
             return
         if p[0] != _Q or n - 5 > s._max or n - 5 > s._max_collect:
             self._data_received(data)
@@ -306,6 +306,39 @@ cdef class ClientCore:
         )
         if logging_info():
             self._log_login()
+
+    cdef void _leave_fast(self) except *:
+        """ClientConnection._cleanup("client closed") of a client at rest in
+        transaction pooling: its server (parked with it, or none) goes back
+        to the pool as _give_back would, with no reset (a desynced one is
+        _hand_over's to close); else _cleanup."""
+        cdef ServerCore server = self.server
+        pool = self.pool
+        if self.waiting_since or pool is None or not self.transaction_pooling:
+            self._cleanup("client closed")
+            return
+        if server is not None:
+            tracker = self.tracker
+            if (
+                server.state is not S_ACTIVE
+                or not server._settled_fast()
+                or not self._at_boundary_fast()
+                or (tracker is not None and tracker.pinned)
+                or pool.settings.server_reset_query_always
+            ):
+                self._cleanup("client closed")
+                return
+        self.state = CLOSED
+        if self.parked:
+            self.parked = False
+            pool.parked.pop(self, None)
+        if server is not None:
+            self.server = None
+            server._hand_over(pool)
+        self.transport.close()
+        self.proxy.on_client_closed(self)
+        if logging_info():
+            self._log_closed("client closed")
 
     cdef void _queue_fast(self, bytes chunk, Py_ssize_t n) except *:
         """ClientConnection._forward with no server: queue the Query, then
@@ -571,6 +604,17 @@ cdef class ServerCore:
             return
         client.server = None
         self._hand_over(pool)
+
+    cdef bint _settled_fast(self) except -1:
+        """ServerConnection.settled, of a server that is not closed."""
+        scanner = self._scanner
+        if self.pending > 0 or self.swallow != 0 or self.tx_status != _TX_IDLE:
+            return False
+        if type(scanner) is MessageScanner:
+            return (<MessageScanner>scanner)._remaining == 0 and PyBytes_GET_SIZE(
+                (<MessageScanner>scanner)._held
+            ) == 0
+        return scanner.at_boundary
 
     cdef void _link_fast(self, ClientCore client) except *:
         """ServerConnection.link: serve ``client``."""

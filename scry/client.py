@@ -701,8 +701,11 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self.transport.close()
         self.proxy.on_client_closed(self)
         if not quiet and logging_info():
-            event("client closed", client=self.id, addr=self.addr, user=self.user,
-                  db=self.database, reason=reason)  # fmt: skip
+            self._log_closed(reason)
+
+    def _log_closed(self, reason: str) -> None:
+        event("client closed", client=self.id, addr=self.addr, user=self.user,
+              db=self.database, reason=reason)  # fmt: skip
 
     def _give_back(self, server: ServerConnection, pool: Pool) -> None:
         server.unlink()

@@ -104,6 +104,10 @@ REQUESTS: dict[str, tuple[bytes, Any]] = {
             tx,
         ),
     ),
+    # Extended-protocol messages with no Sync yet: the server owes nothing.
+    "unsynced": (extended("SELECT n FROM t WHERE id = $1")[:-5], lambda tx: (b"", tx)),
+    # Session state that pins a hybrid client to its server.
+    "listen": (m.query("LISTEN jobs"), lambda tx: (m.command_complete("LISTEN") + rfq(tx), tx)),
     "pipeline": (
         m.query("SELECT n FROM t WHERE id = 1") + m.query("SELECT n FROM t WHERE id = 2"),
         lambda tx: (
@@ -117,11 +121,11 @@ REQUESTS: dict[str, tuple[bytes, Any]] = {
 class Rig:
     """One pool (size 2, both servers up and idle) and three clients."""
 
-    def __init__(self, mode: str, observe: bool, fast: bool) -> None:
+    def __init__(self, mode: str, observe: bool, fast: bool, reset_always: bool = False) -> None:
         config = Config.model_validate(
             {
                 "database_url": "postgres://app:pw@127.0.0.1:5432/app",
-                "pool": {"mode": mode, "size": 2},
+                "pool": {"mode": mode, "size": 2, "server_reset_query_always": reset_always},
                 "observability": {"fingerprinting": observe},
             }
         )
@@ -252,7 +256,7 @@ def drive(rigs: list[Rig], script: list[tuple[str, int, str, float | None]]) -> 
             if cut is not None:
                 at = max(1, int(len(answer) * cut))
                 pieces = [answer[:at], answer[at:]]
-            for piece in pieces:
+            for piece in filter(None, pieces):
                 for rig in rigs:
                     rig.server_sends(j, piece)
         first, *others = (rig.snapshot() for rig in rigs)
@@ -273,6 +277,35 @@ def test_fast_paths_do_what_the_python_relay_does(
 ) -> None:
     async def run() -> None:  # (inside the loop: a session-mode reset arms a timer)
         drive([Rig(mode, observe, fast=True), Rig(mode, observe, fast=False)], script)
+
+    loop.run_until_complete(run())
+
+
+# Clients that leave when their server cannot simply go back to the pool:
+# the compiled Terminate must leave those to ClientConnection._cleanup.
+LEAVING = {
+    "waiting": [("send", 0, "begin", None), ("send", 1, "begin", None), ("answer", 0, "", None),
+                ("answer", 1, "", None), ("send", 2, "select", None), ("leave", 2, "", None),
+                ("send", 0, "commit", None), ("answer", 0, "", None)],
+    "unsynced": [("send", 0, "unsynced", None), ("leave", 0, "", None)],
+    "pinned": [("send", 0, "listen", None), ("answer", 0, "", None), ("leave", 0, "", None)],
+    "in_transaction": [("send", 0, "begin", None), ("answer", 0, "", None), ("leave", 0, "", None)],
+    "at_rest": [("send", 0, "select", None), ("answer", 0, "", None), ("leave", 0, "", None),
+                ("send", 1, "select", None), ("answer", 1, "", None)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(LEAVING))
+@pytest.mark.parametrize(
+    ("mode", "reset_always"), [("transaction", False), ("hybrid", False), ("session", False),
+                               ("transaction", True)]
+)  # fmt: skip
+def test_a_leaving_client_gives_its_server_back_as_the_python_relay_does(
+    loop: asyncio.AbstractEventLoop, case: str, mode: str, reset_always: bool
+) -> None:
+    async def run() -> None:
+        rigs = [Rig(mode, True, fast, reset_always) for fast in (True, False)]
+        drive(rigs, LEAVING[case])
 
     loop.run_until_complete(run())
 
