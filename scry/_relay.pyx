@@ -29,6 +29,7 @@ from scry.protocol._scan cimport MessageScanner
 
 import hashlib
 import hmac
+from collections import deque
 
 import scry.protocol.auth as _auth
 from scry.breaker import CLOSED as BREAKER_CLOSED
@@ -152,6 +153,17 @@ cdef class ClientCore:
     cdef public bint _unsynced, _unnamed_open, _paused_waiting
     cdef public long _syncs_since_execute, _early_syncs
     cdef public object _plan, _salt
+
+    def __cinit__(self, *args, **kwargs):
+        # The first values that are not None, 0 or False (PyClientCore.start_fields).
+        self.state = STARTUP
+        self.transaction_pooling = True
+        self.params = {}
+        self._queue = []
+        self.inflight = deque()
+
+    def start_fields(self):
+        """(Done by __cinit__: C struct members start at None, 0 and False.)"""
 
     def data_received(self, data):
         state = self.state

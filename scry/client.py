@@ -21,14 +21,12 @@ import asyncio.sslproto
 import itertools
 import logging
 import time
-from collections import deque
 from time import monotonic, perf_counter_ns
 from typing import TYPE_CHECKING
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.client_login import ClientLogin
 from scry.client_messages import FUNCTION_CALL_MARK, SYNC_MARK, MessageModeRelay, parse_text
-from scry.hybrid import SessionTracker
 from scry.log import event, logging_info
 from scry.observe.record import ClientContext
 from scry.pool import Pool, PoolStats
@@ -51,7 +49,6 @@ from scry.relay_core import (
     READY,
     STARTUP,
     ClientCore,
-    LoginPlan,
 )
 from scry.server import REC_EXECUTE, REC_QUERY, ServerConnection
 
@@ -112,67 +109,28 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
     )  # fmt: skip
 
     def __init__(self, proxy: Proxy) -> None:
-        self.id = f"c{next(_ids)}"
+        self.start_fields()  # ClientCore's (see PyClientCore.start_fields for what they mean)
         self.proxy = proxy
-        self.state = STARTUP
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.stats: PoolStats = _NO_STATS  # its pool's SHOW STATS counters
+        self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size, mark=CLIENT_MARK)
+        self.observed = proxy.observatory.enabled  # records what runs (scry.observe.record)
+        self.id = f"c{next(_ids)}"
         self._addr: str | None = None
         self.user = ""
         self.database = ""
         self.application_name = ""
-        self.params: dict[str, str] = {}  # settings to apply on any server that serves us
-        self.pool: Pool | None = None
-        self.stats: PoolStats = _NO_STATS  # its pool's SHOW STATS counters
         self.tls = False
-        self.server: ServerConnection | None = None
         self.connected_at = time.time()
         self.connected_clock = monotonic()  # for client_login_timeout
         self.cancel_key: tuple[int, int] | None = None
-        self.transaction_pooling = True
-        self.statement_pooling = False
-        self.tracker: SessionTracker | None = None  # transaction and hybrid modes
-        self.parked = False  # holding a server between transactions (see Pool.parked)
-        self.ordinal = 0  # ReadyForQuery messages owed to this client, ever
-        self.answered = 0  # ReadyForQuery messages it received, ever
-        self.last_active = 0.0  # proxy.clock at its last message
         self._startup_buf = bytearray()
         self._reader: MessageReader | None = None
         self._auth: ClientAuthExchange | None = None
-        self._plan: LoginPlan | None = None  # a login ClientCore took in (ClientLogin._plan_login)
-        self._salt: bytes | None = None  # its md5 challenge
-        self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size, mark=CLIENT_MARK)
-        # Extended-protocol messages sent since the last Sync: the server owes
-        # nothing yet but is mid-batch, so it must not change hands.
-        self._unsynced = False
-        # An unnamed statement was parsed and not yet executed (pg8000 parses,
-        # syncs, then binds): the Bind may land on another server.
-        self._unnamed_open = False
         self._unnamed_rest: bytes | None = None  # its last unnamed Parse, after the name
-        # Client data waiting for a server: (bytes or whole messages, ReadyForQuery owed).
-        self._queue: list[tuple[bytes | list[tuple[int, bytes]], int]] = []
-        self._queued_owed = 0
-        # Set once the client uses named prepared statements under transaction or
-        # hybrid pooling: from then on its messages are read whole and rewritten.
-        self._messages: MessageReader | None = None
-        self.unanswered: list[tuple[bytes | list[tuple[int, bytes]], int]] | None = None
-        # Observability: what is running and since when (see scry.observe.record).
-        self.observed = proxy.observatory.enabled
-        self.context: ClientContext | None = None
-        # (REC_* kind, statement text, received ns): what the server side will complete.
-        self.inflight: deque[tuple[int, bytes, int]] = deque()
-        self.t_acquired = 0  # when the last waited-for server was linked
-        self.pins: tuple[str, ...] | None = None
         self._last_text = b""  # the statement the next Execute runs
         self._unnamed_text = b""  # the unnamed prepared statement's text
         self._named_texts: dict[bytes, bytes] = {}  # named statement -> its text
-        self._retried = False
         self.statements: ClientStatements | None = None
-        self._queued_bytes = 0
-        self._syncs_since_execute = 0
-        self._early_syncs = 0  # of those, sent right after it (libpq's Execute, Sync)
-        self.waiting_since = 0  # perf_counter_ns() when it joined the pool's queue; 0 = not
-
-        self._paused_waiting = False
         self._paused_by_server = False
 
     # --- asyncio callbacks -----------------------------------------------------

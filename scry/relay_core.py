@@ -18,6 +18,8 @@ exchanges and compares every field).
 
 from __future__ import annotations
 
+from collections import deque
+
 # A client connection's states (scry.client_login drives the first three).
 STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
 # A server connection's states (see scry.server).
@@ -84,6 +86,49 @@ class PyClientCore:
         "stats", "t_acquired", "tracker", "transaction_pooling", "transport", "unanswered",
         "waiting_since",
     )  # fmt: skip
+
+    def start_fields(self) -> None:
+        """Every field's first value (what the compiled ClientCore starts with);
+        ClientConnection then sets ``proxy``, ``stats``, ``_scanner`` and
+        ``observed``."""
+        self.state = STARTUP
+        self.transport = None
+        self.params = {}  # settings to apply on any server that serves us
+        self.pool = None
+        self.server = None
+        self.transaction_pooling = True
+        self.statement_pooling = False
+        self.tracker = None  # transaction and hybrid modes
+        self.parked = False  # holding a server between transactions (see Pool.parked)
+        self.ordinal = 0  # ReadyForQuery messages owed to this client, ever
+        self.answered = 0  # ReadyForQuery messages it received, ever
+        self.last_active = 0.0  # proxy.clock at its last message
+        self._plan = None  # a login ClientCore took in (ClientLogin._plan_login)
+        self._salt = None  # its md5 challenge
+        # Extended-protocol messages sent since the last Sync: the server owes
+        # nothing yet but is mid-batch, so it must not change hands.
+        self._unsynced = False
+        # An unnamed statement was parsed and not yet executed (pg8000 parses,
+        # syncs, then binds): the Bind may land on another server.
+        self._unnamed_open = False
+        # Client data waiting for a server: (bytes or whole messages, ReadyForQuery owed).
+        self._queue = []
+        self._queued_owed = 0
+        self._queued_bytes = 0
+        self._paused_waiting = False
+        # Set once the client uses named prepared statements under transaction or
+        # hybrid pooling: from then on its messages are read whole and rewritten.
+        self._messages = None
+        self.unanswered = None
+        self.context = None  # observability: who the records are of (scry.observe.record)
+        # (REC_* kind, statement text, received ns): what the server side will complete.
+        self.inflight = deque()
+        self.t_acquired = 0  # when the last waited-for server was linked
+        self.pins = None
+        self._retried = False
+        self._syncs_since_execute = 0
+        self._early_syncs = 0  # of those, sent right after it (libpq's Execute, Sync)
+        self.waiting_since = 0  # perf_counter_ns() when it joined the pool's queue; 0 = not
 
 
 class PyServerCore:
