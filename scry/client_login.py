@@ -143,7 +143,7 @@ class ClientLogin:
             if parsed is None:
                 return
             packet, used = parsed
-            raw = bytes(buf[:used]) if used == len(buf) else None
+            raw = bytes(buf) if COMPILED and used == len(buf) else None  # (a plan's key)
             del buf[:used]
             if isinstance(packet, st.SSLRequest):
                 context = self.proxy.client_tls.context
@@ -290,7 +290,7 @@ class ClientLogin:
         self.state = AUTH
         rest = bytes(self._startup_buf)  # anything the client sent after its startup packet
         self._startup_buf.clear()
-        if raw is not None and COMPILED:
+        if raw is not None:
             self._plan_login(raw)
         self._auth_step(self._auth.start())
         if rest:

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from scry.pool import Pool
 
 
 class Recorder(asyncio.Transport):
@@ -34,3 +40,16 @@ class Recorder(asyncio.Transport):
 def msg(kind: bytes, body: bytes = b"") -> bytes:
     """One protocol message."""
     return kind + struct.pack("!i", len(body) + 4) + body
+
+
+@contextmanager
+def offline_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
+    """A fresh event loop, current while in use, whose pools open no servers."""
+    monkeypatch.setattr(Pool, "_spawn", lambda pool: None)  # no PostgreSQL here
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        yield loop
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()

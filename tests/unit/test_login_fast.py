@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_transport import Recorder, msg
+from fake_transport import Recorder, msg, offline_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +30,6 @@ from scry import proxy as proxy_module
 from scry import relay_core
 from scry.client import ClientConnection
 from scry.config import Config
-from scry.pool import Pool
 from scry.protocol import auth as auth_module
 from scry.proxy import Proxy
 
@@ -134,14 +133,8 @@ class Rig:
 
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
-    monkeypatch.setattr(Pool, "_spawn", lambda pool: None)  # no PostgreSQL here
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
+    with offline_loop(monkeypatch) as loop:
         yield loop
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
 
 
 login = st.tuples(

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_transport import Recorder, msg
+from fake_transport import Recorder, msg, offline_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +29,6 @@ from scry import relay_core
 from scry.client import READY, ClientConnection
 from scry.config import Config
 from scry.hybrid import SessionTracker, TransactionTracker
-from scry.pool import Pool
 from scry.protocol import messages as m
 from scry.proxy import Proxy
 from scry.server import IDLE, ServerConnection
@@ -208,16 +207,10 @@ class Rig:
 
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
-    monkeypatch.setattr(Pool, "_spawn", lambda pool: None)  # no PostgreSQL here
     # (A client leaving mid-query cancels it; its server is closed either way.)
     monkeypatch.setattr(ServerConnection, "send_cancel", lambda server: None)
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
+    with offline_loop(monkeypatch) as loop:
         yield loop
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
 
 
 # A step: a client sends a request, or leaves, or a client's server answers its
