@@ -607,9 +607,10 @@ cdef class ServerCore:
             return  # session state lives on this server: keep it
         client._retried = False
         pool = client.pool
-        if not pool.waiters and not pool.paused:
+        if not pool.waiters and not pool.paused and client.answered > 1:
             # Nobody needs it now: keep it (no release/acquire per transaction)
-            # and hand it over as soon as another client asks for one.
+            # and hand it over as soon as another client asks for one (not after
+            # its first answer: see ClientConnection.on_server_ready).
             if not client.parked:
                 client.parked = True
                 pool.parked[client] = None

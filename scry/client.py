@@ -486,9 +486,11 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self._retried = False
         pool = self.pool
         assert pool is not None
-        if not pool.waiters and not pool.paused:
+        if not pool.waiters and not pool.paused and self.answered > 1:
             # Nobody needs it now: keep it (no release/acquire per transaction)
-            # and hand it over as soon as another client asks for one.
+            # and hand it over as soon as another client asks for one. Not after
+            # a client's first answer: connect-per-query clients leave next, and
+            # servers parked with them would spread the load over more backends.
             if not self.parked:
                 self.parked = True
                 pool.parked[self] = None

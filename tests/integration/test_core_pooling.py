@@ -15,6 +15,7 @@ import time
 import psycopg
 import psycopg.errors
 import pytest
+from test_admin_api import get, start_admin_proxy
 
 # The proxy's backends: user app on database app (the tests' own direct
 # connections are the postgres superuser). ``since`` filters out backends of
@@ -262,6 +263,30 @@ def test_session_state_in_transaction_mode_is_logged_once(
     lines = [line for line in proxy.log_text().splitlines() if warning in line]
     assert len(lines) == 2, lines
     assert "kinds=set" in lines[0] and "kinds=set" in lines[1]
+
+
+def test_a_client_keeps_its_server_from_its_second_transaction_on(scry_proxy) -> None:
+    """A connect-per-query client (pgbench -C, a serverless handler) gives its server
+    back at its first answer, so the next client runs on that warm backend and the pool
+    opens no other; from its second transaction on, a client keeps (parks) its server
+    while nobody waits."""
+    proxy, base = start_admin_proxy(scry_proxy, pool={"mode": "transaction", "size": 5})
+
+    def pool_state() -> tuple[int, int]:
+        (pool,) = get(base, "/api/v1/pools")["pools"]
+        return pool["parked"], pool["servers"]
+
+    with (
+        psycopg.connect(**proxy.conninfo(), autocommit=True) as a,
+        psycopg.connect(**proxy.conninfo(), autocommit=True) as b,
+    ):
+        (a_backend,) = a.execute("select pg_backend_pid()").fetchone()
+        assert pool_state() == (0, 1)  # back in the pool, though a is still connected
+        (b_backend,) = b.execute("select pg_backend_pid()").fetchone()
+        assert b_backend == a_backend and pool_state() == (0, 1)
+        for _ in range(2):
+            (again,) = a.execute("select pg_backend_pid()").fetchone()
+            assert again == a_backend and pool_state() == (1, 1)
 
 
 # --- waiting for a server ------------------------------------------------------------------
