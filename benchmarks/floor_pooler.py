@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import hashlib
 import os
+import socket
 import struct
 import sys
 from collections import deque
@@ -296,6 +297,9 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"floor_pooler: cannot log in to {args.pg_host}:{args.pg_port}")
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Client(pool), args.listen_host, args.listen_port)
+    for sock in server.sockets:
+        if hasattr(socket, "TCP_DEFER_ACCEPT"):  # as PgBouncer and scry listen
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
     async with server:
         await server.serve_forever()
 

@@ -582,6 +582,9 @@ class Config(_Model):
     tls: TlsConfig = Field(default_factory=TlsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     max_packet_size: Int = Field(1073741823, ge=1024)
+    #: PgBouncer's tcp_defer_accept (on by default on Linux, as there): the kernel
+    #: hands over a new client connection with its first packet, one wakeup fewer.
+    tcp_defer_accept: bool = True
     #: Set when scry runs from a pgbouncer.ini (scry.pgbouncer); None otherwise.
     pgbouncer: PgbouncerCompatConfig | None = None
 

@@ -105,9 +105,8 @@ class Proxy:
                 reuse_port=hasattr(socket, "SO_REUSEPORT"),
                 backlog=4096,
             )
-        for sock in server.sockets:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.listeners.insert(0, server)
+        self._tune_listeners()
         if self.config.pgbouncer is not None and self.config.pgbouncer.unix_socket_dir:
             from scry.pgbouncer.console import start_unix_listener  # PgBouncer's .s.PGSQL.<port>
 
@@ -206,6 +205,15 @@ class Proxy:
             return
         self.apply_config(new)
 
+    def _tune_listeners(self) -> None:
+        defer = self.config.tcp_defer_accept and hasattr(socket, "TCP_DEFER_ACCEPT")
+        for sock in self.listeners[0].sockets if self.listeners else ():
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if hasattr(socket, "TCP_DEFER_ACCEPT"):
+                # Accepted with its StartupMessage already queued, or after 1 s
+                # without (PgBouncer's value): a silent client is still let in.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, int(defer))
+
     def apply_config(self, config: Config) -> bool:
         """Apply a new configuration without dropping connections (the apply half of
         a reload; PgBouncer-ini reloads come here too). False if it was refused."""
@@ -219,6 +227,7 @@ class Proxy:
         if new.listen_addr != self.config.listen_addr:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
         self.config = new
+        self._tune_listeners()
         self.auth = auth
         self.login_plans.clear()
         self.client_tls, self.server_tls = tls_in, tls_out

@@ -481,7 +481,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "listen_backlog": Key("128", changeable=False, why="scry listens with a backlog of 4096"),
     "sbuf_loopcnt": Key("5", why="asyncio flow control bounds each connection"),
     "so_reuseport": Key("0", changeable=False, why="use scry's `workers: N` for more cores"),
-    "tcp_defer_accept": Key("1", why=_NET),
+    "tcp_defer_accept": Key("1", handler=_to("tcp_defer_accept", as_bool)),
     "tcp_socket_buffer": Key("0", why=_NET),
     "tcp_keepalive": Key("1", why=_NET),
     "tcp_keepcnt": Key("0", why=_NET),

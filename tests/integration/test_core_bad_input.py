@@ -187,6 +187,15 @@ def test_silent_client_is_dropped_by_login_timeout(scry_proxy) -> None:
     assert psycopg_works(proxy)
 
 
+def test_a_client_that_never_speaks_is_let_in_and_dropped_by_login_timeout(scry_proxy) -> None:
+    # tcp_defer_accept (on, as in PgBouncer) holds a silent connection in the
+    # kernel for a second; then scry accepts it and its login timeout applies.
+    proxy = scry_proxy({**TRUST, "timeouts": {"client_login_timeout": 1}})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=8) as sock:
+        assert b"client_login_timeout" in read_all(sock, timeout=8)
+    assert psycopg_works(proxy)
+
+
 # --- garbage after login -----------------------------------------------------------------------
 
 

@@ -158,6 +158,16 @@ def test_pgbouncer_defaults_where_scry_differs(tmp_path: Path) -> None:
     assert config.pool.max_client_conn == 100
     assert config.auth is not None and config.auth.type == "md5"
     assert config.pgbouncer is not None and config.pgbouncer.unix_socket_dir == "/tmp"
+    assert config.tcp_defer_accept  # PgBouncer's default on Linux
+
+
+def test_tcp_defer_accept_can_be_turned_off(tmp_path: Path) -> None:
+    path = tmp_path / "off.ini"
+    path.write_text(
+        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\ntcp_defer_accept = 0\n"
+    )
+    config, warnings = load_pgbouncer_config(path, env={})
+    assert warnings == [] and config.tcp_defer_accept is False
 
 
 def test_every_documented_key_is_known() -> None:
