@@ -34,7 +34,7 @@ from collections import deque
 import scry.protocol.auth as _auth
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import TransactionTracker
-from scry.log import logging_info
+from scry.log import logger as _logger  # (isEnabledFor: scry.log.logging_info, a frame less)
 from scry.observe.record import ClientContext
 from scry.relay_core import (
     AUTH, CLOSED, LOGIN, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE, STARTUP
@@ -313,10 +313,11 @@ cdef class ClientCore:
             plan.greeting + PyBytes_FromStringAndSize(<char*>key, 13) + _READY_IDLE
         )
         self.state = READY
-        self.context = ClientContext(
+        # (tuple.__new__: the NamedTuple's own __new__ is a Python function)
+        self.context = tuple.__new__(ClientContext, (
             self.id, self.database, self.user, self.application_name, proxy.worker_id
-        )
-        if logging_info():
+        ))
+        if _logger.isEnabledFor(20):  # logging.INFO
             self._log_login()
 
     cdef void _leave_fast(self) except *:
@@ -349,7 +350,7 @@ cdef class ClientCore:
             server._hand_over(pool)
         self.transport.close()
         self.proxy.on_client_closed(self)
-        if logging_info():
+        if _logger.isEnabledFor(20):  # logging.INFO
             self._log_closed("client closed")
 
     cdef void _queue_fast(self, bytes chunk, Py_ssize_t n) except *:
