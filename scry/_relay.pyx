@@ -30,11 +30,12 @@ from scry.protocol._scan cimport MessageScanner
 import hashlib
 import hmac
 from collections import deque
+from logging import INFO as _INFO
 
 import scry.protocol.auth as _auth
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import TransactionTracker
-from scry.log import logger as _logger  # (isEnabledFor: scry.log.logging_info, a frame less)
+from scry.log import logger as _logger  # (_logger.isEnabledFor: logging_info, a frame less)
 from scry.observe.record import ClientContext
 from scry.relay_core import (
     AUTH, CLOSED, LOGIN, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE, STARTUP
@@ -317,7 +318,7 @@ cdef class ClientCore:
         self.context = tuple.__new__(ClientContext, (
             self.id, self.database, self.user, self.application_name, proxy.worker_id
         ))
-        if _logger.isEnabledFor(20):  # logging.INFO
+        if _logger.isEnabledFor(_INFO):
             self._log_login()
 
     cdef void _leave_fast(self) except *:
@@ -350,7 +351,7 @@ cdef class ClientCore:
             server._hand_over(pool)
         self.transport.close()
         self.proxy.on_client_closed(self)
-        if _logger.isEnabledFor(20):  # logging.INFO
+        if _logger.isEnabledFor(_INFO):
             self._log_closed("client closed")
 
     cdef void _queue_fast(self, bytes chunk, Py_ssize_t n) except *:

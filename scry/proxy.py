@@ -206,13 +206,17 @@ class Proxy:
         self.apply_config(new)
 
     def _tune_listeners(self) -> None:
-        defer = self.config.tcp_defer_accept and hasattr(socket, "TCP_DEFER_ACCEPT")
-        for sock in self.listeners[0].sockets if self.listeners else ():
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if hasattr(socket, "TCP_DEFER_ACCEPT"):
-                # Accepted with its StartupMessage already queued, or after 1 s
-                # without (PgBouncer's value): a silent client is still let in.
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, int(defer))
+        """TCP options of every client listener (at start, and again on reload)."""
+        for server in self.listeners:
+            for sock in server.sockets:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue  # PgBouncer's Unix socket
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if hasattr(socket, "TCP_DEFER_ACCEPT"):  # Linux
+                    # Accepted with its StartupMessage already queued, or after 1 s
+                    # without (PgBouncer's value): a silent client is still let in.
+                    defer = int(self.config.tcp_defer_accept)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer)
 
     def apply_config(self, config: Config) -> bool:
         """Apply a new configuration without dropping connections (the apply half of
