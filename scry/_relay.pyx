@@ -140,6 +140,20 @@ cdef class LoginPlan:
 cdef class ServerCore
 
 
+cdef object _acquire_fast(pool):
+    """Pool.acquire_nowait, its commonest case inline: the most recently used
+    idle server, used recently enough to need no server_check_query."""
+    idle = pool.idle
+    if idle and not pool.paused:
+        server = idle.pop()
+        if isinstance(server, ServerCore) and (<ServerCore>server).state is S_IDLE:
+            delay = pool.proxy.config.timeouts.server_check_delay
+            if not delay or pool.proxy.clock - server.last_used <= delay:
+                return server
+        idle.append(server)  # (not that simple: the pool decides)
+    return pool.acquire_nowait()
+
+
 cdef class ClientCore:
     """The per-message fields of a client connection, and its fast path."""
 
@@ -372,13 +386,21 @@ cdef class ClientCore:
             self._get_server()  # (it refuses the query)
             return
         if pool.idle or pool.parked:
-            server = pool.acquire_nowait()
+            server = _acquire_fast(pool)
             if server is not None:
                 self._link_fast(server, _now_ns())
                 return
         # No timer per wait: the janitor enforces query_wait_timeout on the queue.
         self.waiting_since = _now_ns()
-        pool.wait(self)
+        settings = pool.settings
+        if (
+            not pool.paused
+            and not settings.reserve_size
+            and len(pool.servers) + pool.connecting >= settings.size
+        ):
+            pool.waiters.append(self)  # Pool.wait of a full pool: nothing to open
+        else:
+            pool.wait(self)
 
     cdef void _link_fast(self, ServerCore server, long long now) except *:
         """ClientConnection._link: take ``server`` and send it what waited."""
@@ -609,10 +631,16 @@ cdef class ServerCore:
             return  # session state lives on this server: keep it
         client._retried = False
         pool = client.pool
-        if not pool.waiters and not pool.paused and client.answered > 1:
+        if (
+            not pool.waiters
+            and not pool.paused
+            and client.answered > 1
+            and (pool.idle or len(pool.servers) + pool.connecting < pool.settings.size)
+        ):
             # Nobody needs it now: keep it (no release/acquire per transaction)
             # and hand it over as soon as another client asks for one (not after
-            # its first answer: see ClientConnection.on_server_ready).
+            # its first answer, nor when it is the last free server: see
+            # ClientConnection.on_server_ready).
             if not client.parked:
                 client.parked = True
                 pool.parked[client] = None

@@ -486,11 +486,19 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self._retried = False
         pool = self.pool
         assert pool is not None
-        if not pool.waiters and not pool.paused and self.answered > 1:
+        if (
+            not pool.waiters
+            and not pool.paused
+            and self.answered > 1
+            and (pool.idle or len(pool.servers) + pool.connecting < pool.settings.size)
+        ):
             # Nobody needs it now: keep it (no release/acquire per transaction)
             # and hand it over as soon as another client asks for one. Not after
             # a client's first answer: connect-per-query clients leave next, and
             # servers parked with them would spread the load over more backends.
+            # Not when it is the pool's last free server either: the next client
+            # would take it back from us, and under contention parked servers
+            # sit out of rotation while others queue.
             if not self.parked:
                 self.parked = True
                 pool.parked[self] = None

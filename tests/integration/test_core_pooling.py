@@ -289,6 +289,27 @@ def test_a_client_keeps_its_server_from_its_second_transaction_on(scry_proxy) ->
             assert again == a_backend and pool_state() == (1, 1)
 
 
+def test_a_client_does_not_park_the_last_free_server_of_a_full_pool(scry_proxy) -> None:
+    """Parked, the pool's only free server would have to be taken back from its
+    client by the next one; so at full size with nothing idle it goes back."""
+    proxy, base = start_admin_proxy(scry_proxy, pool={"mode": "transaction", "size": 1})
+
+    def pool_state() -> tuple[int, int, int]:
+        (pool,) = get(base, "/api/v1/pools")["pools"]
+        return pool["parked"], pool["idle"], pool["servers"]
+
+    with (
+        psycopg.connect(**proxy.conninfo(), autocommit=True) as a,
+        psycopg.connect(**proxy.conninfo(), autocommit=True) as b,
+    ):
+        for _ in range(3):
+            a.execute("select 1").fetchone()
+            assert pool_state() == (0, 1, 1)
+        (a_backend,) = a.execute("select pg_backend_pid()").fetchone()
+        (b_backend,) = b.execute("select pg_backend_pid()").fetchone()
+        assert b_backend == a_backend and pool_state() == (0, 1, 1)
+
+
 # --- waiting for a server ------------------------------------------------------------------
 
 

@@ -53,13 +53,14 @@ def data(payload: bytes) -> bytes:
 
 
 class Rig:
-    """One pool with one server; clients made on demand (transaction mode)."""
+    """One pool with one server, room for another (so a client may park it);
+    clients made on demand (transaction mode)."""
 
     def __init__(self, observe: bool) -> None:
         config = Config.model_validate(
             {
                 "database_url": "postgres://app:pw@127.0.0.1:5432/app",
-                "pool": {"mode": "transaction", "size": 1},
+                "pool": {"mode": "transaction", "size": 2},
             }
         )
         self.proxy = Proxy(config)
