@@ -396,7 +396,7 @@ cdef class ClientCore:
         if (
             not pool.paused
             and not settings.reserve_size
-            and len(pool.servers) + pool.connecting >= settings.size
+            and len(pool.servers) + pool.connecting >= settings.size  # (pool.full)
         ):
             pool.waiters.append(self)  # Pool.wait of a full pool: nothing to open
         else:
@@ -635,7 +635,7 @@ cdef class ServerCore:
             not pool.waiters
             and not pool.paused
             and client.answered > 1
-            and (pool.idle or len(pool.servers) + pool.connecting < pool.settings.size)
+            and (pool.idle or len(pool.servers) + pool.connecting < pool.settings.size)  # (not pool.full)
         ):
             # Nobody needs it now: keep it (no release/acquire per transaction)
             # and hand it over as soon as another client asks for one (not after

@@ -490,7 +490,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             not pool.waiters
             and not pool.paused
             and self.answered > 1
-            and (pool.idle or len(pool.servers) + pool.connecting < pool.settings.size)
+            and (pool.idle or not pool.full)
         ):
             # Nobody needs it now: keep it (no release/acquire per transaction)
             # and hand it over as soon as another client asks for one. Not after

@@ -110,6 +110,11 @@ class Pool:
         return self.settings.size
 
     @property
+    def full(self) -> bool:
+        """Every server ``size`` allows is open or opening (the reserve not counted)."""
+        return len(self.servers) + self.connecting >= self.settings.size
+
+    @property
     def reserve_in_use(self) -> int:
         """Servers open (or opening) beyond ``size``, taken from the reserve pool."""
         return max(0, len(self.servers) + self.connecting - self.settings.size)
@@ -138,7 +143,7 @@ class Pool:
         if self.parked:
             server = self._take_parked()
             if server is not None:
-                if len(self.servers) + self.connecting < self.size:
+                if not self.full:
                     self._spawn()  # room to grow: the parked client will want one back
                 return server
         return None
@@ -249,7 +254,7 @@ class Pool:
 
     def _open_for_waiters(self) -> None:
         reserve = self.settings.reserve_size
-        if self.paused or (not reserve and len(self.servers) + self.connecting >= self.size):
+        if self.paused or (not reserve and self.full):
             return  # (a full pool with no reserve has nothing to open)
         servers, waiters = len(self.servers), self.waiters
         want = min(len(waiters), self.size - servers)
@@ -360,7 +365,7 @@ class Pool:
             return
         if self._welcome_future is None:
             self._welcome_future = asyncio.get_running_loop().create_future()
-            if len(self.servers) + self.connecting < self.size:
+            if not self.full:
                 self._spawn()
         await asyncio.shield(self._welcome_future)
 
