@@ -1,7 +1,8 @@
 """Builds scry's optional C extensions from Cython: scry.protocol._scan (the
 relay's message scanner), scry._relay (the relay's hot state and its fast
-paths), scry.observe._hot (the drain's hot-value counter) and
-scry.observe._columns (the drain's walk over a chunk of records). Without a
+paths), scry.observe._hot (the drain's hot-value counter),
+scry.observe._columns (the drain's walk over a chunk of records) and
+scry.observe._encode (the event sink's batch encoder). Without a
 C compiler the install still succeeds and scry uses their pure-Python twins;
 metadata is in pyproject.toml."""
 
@@ -18,6 +19,7 @@ else:
             Extension("scry._relay", ["scry/_relay.pyx"], optional=True),
             Extension("scry.observe._hot", ["scry/observe/_hot.pyx"], optional=True),
             Extension("scry.observe._columns", ["scry/observe/_columns.pyx"], optional=True),
+            Extension("scry.observe._encode", ["scry/observe/_encode.pyx"], optional=True),
         ],
         quiet=True,
     )

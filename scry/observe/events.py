@@ -75,6 +75,7 @@ EVENT_FIELDS = (
 )
 _CODES = ("d", "i", "S", "S", "S", "S", "S", "S", "q", "q", "q", "q", "q", "s", "?", "L")
 LAYOUT = " ".join(f"{name}:{code}" for name, code in zip(EVENT_FIELDS, _CODES, strict=True))
+_LAYOUT_CODES = "".join(_CODES).encode("ascii")
 _ARRAY_TYPE = {"d": "d", "i": "i", "q": "q", "?": "B", "S": "I", "s": "i", "L": "I"}
 
 MAGIC = b"SCEV"
@@ -144,6 +145,16 @@ class EventBlock:
         return cls(columns, sum(b.n for b in blocks))
 
 
+def _concat_parts(parts: Sequence[tuple[Sequence[Sequence[Any]], int, int]]) -> EventBlock:
+    """One block of the events of ``(columns, start, stop)`` slices, in order."""
+    return EventBlock.concat(
+        [
+            EventBlock(columns, len(columns[0]) if columns else 0).slice(start, stop)
+            for columns, start, stop in parts
+        ]
+    )
+
+
 def _joined(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
     """One column of several blocks: an array when they all are arrays of
     one type (a copy of their bytes), else a list."""
@@ -211,6 +222,15 @@ class EventRing:
 
     def take_block(self, limit: int) -> EventBlock:
         """Remove and return up to ``limit`` of the oldest events, as one block."""
+        return _concat_parts(self._take(limit))
+
+    def take_parts(self, limit: int) -> list[tuple[Sequence[Sequence[Any]], int, int]]:
+        """Remove up to ``limit`` of the oldest events and return them as
+        ``(columns, start, stop)`` slices of the blocks that held them, in
+        order (for ``encode_parts``: no column is copied)."""
+        return self._take(limit)
+
+    def _take(self, limit: int) -> list[tuple[Sequence[Sequence[Any]], int, int]]:
         blocks = self._blocks
         parts = []
         need = min(limit, self._len)
@@ -219,15 +239,15 @@ class EventRing:
             block, head = blocks[0], self._head
             left = block.n - head
             if left <= need:
-                parts.append(block.slice(head, block.n))
+                parts.append((block.columns, head, block.n))
                 blocks.popleft()
                 self._head = 0
                 need -= left
             else:
-                parts.append(block.slice(head, head + need))
+                parts.append((block.columns, head, head + need))
                 self._head = head + need
                 need = 0
-        return EventBlock.concat(parts)
+        return parts
 
     def take(self, limit: int) -> list[tuple[Any, ...]]:
         """Remove and return up to ``limit`` of the oldest events, as tuples."""
@@ -346,10 +366,37 @@ def encode_batch(
 ) -> tuple[bytes, int]:
     """(payload, flags) for a batch of events (a block, or event tuples)."""
     block = events if isinstance(events, EventBlock) else EventBlock.of_events(events)
+    return encode_parts([(block.columns, 0, block.n)], compression)
+
+
+def encode_parts(
+    parts: list[tuple[Sequence[Sequence[Any]], int, int]], compression: str = "gzip"
+) -> tuple[bytes, int]:
+    """(payload, flags) for one batch of the events ``parts`` hold, in order:
+    ``(columns, start, stop)`` each, a slice of a block's columns (what
+    ``EventRing.take_parts`` gives: nothing is copied to cut a batch out)."""
+    n = sum(stop - start for _, start, stop in parts)
+    try:
+        table, columns = encode_columns(parts, _LAYOUT_CODES)
+    except (OverflowError, TypeError, ValueError):
+        # The compiled walk only takes what it encodes exactly as the twin
+        # does; the twin encodes the rest (or raises the error it always did).
+        table, columns = py_encode_columns(parts, _LAYOUT_CODES)
+    return compress_payload(_batch_map(n, table, columns), compression)
+
+
+def py_encode_columns(
+    parts: list[tuple[Sequence[Sequence[Any]], int, int]], codes: bytes
+) -> tuple[bytes, bytes]:
+    """(string table, columns) of a batch: the events of ``parts`` (see
+    ``encode_parts``) as one little-endian array of n items per layout code
+    in ``codes``, strings as indexes into the table (UTF-8, NUL-separated,
+    "" first, in order of first use, column by column)."""
+    block = _concat_parts(parts)
     n = block.n
     strings: dict[str, int] = {"": 0}
     columns = bytearray()
-    for code, values in zip(_CODES, block.columns or [()] * len(_CODES), strict=True):
+    for code, values in zip(codes.decode("ascii"), block.columns or [()] * len(codes), strict=True):
         if code == "S":
             data = _indexes(strings, values, n)
         elif code == "L":
@@ -371,9 +418,7 @@ def encode_batch(
         if sys.byteorder == "big":
             data.byteswap()
         columns += data
-    table = "\0".join(strings).encode("utf-8", "surrogatepass")
-    payload = _batch_map(n, table, columns)
-    return compress_payload(payload, compression)
+    return "\0".join(strings).encode("utf-8", "surrogatepass"), bytes(columns)
 
 
 def compress_payload(payload: bytes, compression: str = "gzip") -> tuple[bytes, int]:
@@ -553,3 +598,15 @@ def events_read_main(path: str, out: IO[str] | None = None) -> int:
         print(f"scry events read: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+try:  # the compiled twin (scry/observe/_encode.pyx), when it was built
+    from scry.observe._encode import encode_columns as _compiled_encode_columns
+except ImportError:  # pragma: no cover - built wherever a C compiler was at hand
+    _compiled_encode_columns = None
+# (The compiled walk writes native byte order: little-endian machines only.)
+encode_columns = (
+    _compiled_encode_columns
+    if _compiled_encode_columns is not None and sys.byteorder == "little"
+    else py_encode_columns
+)

@@ -2,7 +2,7 @@
 
 ``EventShipper`` takes batches out of the ``EventRing`` (when ``batch_size``
 events are waiting or every ``flush_interval`` seconds), encodes them
-(``events.encode_batch``) and hands them to a sink, all the ready ones at
+(``events.encode_parts``) and hands them to a sink, all the ready ones at
 once when the sink takes several (``write_many``):
 
 ``NullSink``   discards (the ``none`` sink).
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from scry.observe.events import FLAG_GZIP, EventRing, encode_batch, frame
+from scry.observe.events import FLAG_GZIP, EventRing, encode_parts, frame
 
 
 class Sink(Protocol):
@@ -258,12 +258,12 @@ class EventShipper:
             len(self.ring) >= self.batch_size or (partial and self.ring)
         ):
             started = time.perf_counter()
-            block = self.ring.take_block(self.batch_size)
+            parts = self.ring.take_parts(self.batch_size)
             # Compressed here, in the event loop: in a thread (zlib lets go
             # of the GIL) it cost more, ~1 µs an event of GIL hand-offs, and
             # lost throughput (measured live at 10 and 50 clients).
-            payload, flags = encode_batch(block, self.compression)
-            batches.append((payload, flags, len(block)))
+            payload, flags = encode_parts(parts, self.compression)
+            batches.append((payload, flags, sum(stop - start for _, start, stop in parts)))
             encoding.append(time.perf_counter() - started)
             if len(batches) % 4 == 0:
                 await asyncio.sleep(0)  # let queries through between encodings

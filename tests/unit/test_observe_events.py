@@ -14,6 +14,7 @@ from flatbuffers import flexbuffers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scry.observe import events as events_module
 from scry.observe.events import (
     EVENT_FIELDS,
     LAYOUT,
@@ -23,6 +24,7 @@ from scry.observe.events import (
     _batch_map,
     decode_batch,
     encode_batch,
+    encode_parts,
     event_dict,
     events_read_main,
     frame,
@@ -306,6 +308,93 @@ def test_array_columns_encode_and_join_as_lists_do() -> None:
     assert encode_batch(as_arrays, "none") == encode_batch(as_lists, "none")
     assert decode_batch(*encode_batch(as_arrays, "gzip")) == [event_dict(e) for e in events]
     assert decode_batch(*encode_batch(joined, "none")) == [event_dict(e) for e in events[:25]]
+
+
+_NUMBER_TYPES = {"ts": "d", "queue_us": "q", "pool_acquire_us": "q", "backend_us": "q",
+                 "total_us": "q", "rows": "q"}  # fmt: skip
+_CODES = events_module._LAYOUT_CODES
+
+
+def _as_drained(block: EventBlock) -> list:
+    """The block's columns as the drain builds them: numbers in arrays."""
+    return [
+        array(_NUMBER_TYPES[name], column) if name in _NUMBER_TYPES else list(column)
+        for name, column in zip(EVENT_FIELDS, block.columns, strict=True)
+    ]
+
+
+event_st = st.builds(
+    _event,
+    st.integers(0, 1_000),
+    client_id=st.sampled_from(["c1", "c2", "ü", "\udcff"]),
+    database=st.sampled_from(["db", "other"]),
+    query=st.text(st.characters(exclude_characters="\0"), max_size=20),  # (NUL ends a string)
+    sqlstate=st.sampled_from([None, "57014", "42P01"]),
+    pin_reasons=st.sampled_from([(), ("set",), ("prepare", "temp_table")]),
+    rows=st.integers(0, 2**63 - 1),
+    worker=st.integers(-(2**31), 2**31 - 1),
+)
+
+
+@pytest.mark.skipif(
+    events_module._compiled_encode_columns is None, reason="the extension was not built"
+)
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.lists(st.lists(event_st, min_size=1, max_size=12), min_size=1, max_size=4),
+    cuts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=4, max_size=4),
+    arrays=st.booleans(),
+)
+def test_compiled_encoder_says_what_the_python_one_says(
+    blocks: list[list[tuple]], cuts: list[tuple[int, int]], arrays: bool
+) -> None:
+    parts = []
+    for events, (a, b) in zip(blocks, cuts, strict=False):
+        block = EventBlock.of_events(events)
+        columns = _as_drained(block) if arrays else block.columns
+        start, stop = sorted((min(a, len(events)), min(b, len(events))))
+        parts.append((columns, start, stop))
+    compiled = events_module._compiled_encode_columns(parts, _CODES)
+    assert compiled == events_module.py_encode_columns(parts, _CODES)
+    expected = [e for events, (_, start, stop) in zip(blocks, parts, strict=False)
+                for e in events[start:stop]]  # fmt: skip
+    assert decode_batch(*encode_parts(parts, "gzip")) == [event_dict(e) for e in expected]
+
+
+@pytest.mark.skipif(
+    events_module._compiled_encode_columns is None, reason="the extension was not built"
+)
+def test_compiled_encoder_refuses_what_it_cannot_encode_as_the_twin_does() -> None:
+    compiled = events_module._compiled_encode_columns
+    too_big = EventBlock.of_events([_event(1, worker=2**31)])
+    not_a_number = EventBlock.of_events([_event(1, rows="7")])
+    for block in (too_big, not_a_number):
+        parts = [(block.columns, 0, 1)]
+        with pytest.raises((OverflowError, TypeError)):
+            compiled(parts, _CODES)
+        with pytest.raises((OverflowError, TypeError)):
+            encode_parts(parts)  # the twin raises the same kind of error
+    with pytest.raises(ValueError):
+        compiled([(too_big.columns, 0, 2)], _CODES)  # past the block's end
+    not_strings = EventBlock.of_events([_event(1, database=5)])
+    with pytest.raises(TypeError):
+        compiled([(not_strings.columns, 0, 1)], _CODES)
+
+
+def test_ring_parts_are_slices_of_its_blocks_and_encode_as_blocks_do() -> None:
+    events = [_event(i) for i in range(30)]
+    drained = _as_drained(EventBlock.of_events(events))
+    ring = EventRing(100)
+    ring.extend(EventBlock([c[:12] for c in drained], 12))
+    ring.extend(EventBlock([c[12:] for c in drained], 18))
+    first = ring.take_parts(10)
+    assert [(start, stop) for _, start, stop in first] == [(0, 10)]
+    spanning = ring.take_parts(10)  # the rest of the first block, then the second
+    assert [(start, stop) for _, start, stop in spanning] == [(10, 12), (0, 8)]
+    assert len(ring) == 10
+    assert encode_parts(spanning, "none") == encode_batch(events[10:20], "none")
+    assert decode_batch(*encode_parts(first)) == [event_dict(e) for e in events[:10]]
+    assert ring.take_parts(0) == [] and len(ring.take_parts(100)) == 1 and not ring
 
 
 def test_block_ring_drops_and_takes_across_blocks() -> None:
