@@ -45,11 +45,9 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_right
-from collections import Counter
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 from scry.config import HealthConfig
@@ -230,10 +228,18 @@ class HealthMonitor:
         self._errors[slot] += errors
         if not latencies_ns:
             return
-        buckets = Counter(map(bisect_right, repeat(_BUCKET_FLOOR_NS), latencies_ns))
+        # Sorted, then one bisect per bucket hit rather than one per latency:
+        # the drain hands them over sorted when it can (timsort's pass over a
+        # sorted list is linear), and a latency histogram hits few buckets.
+        ordered = sorted(latencies_ns)
         hist, base = self._hist, slot * N_BUCKETS
-        for bucket, count in buckets.items():
-            hist[base + bucket] += count
+        floors, last = _BUCKET_FLOOR_NS, len(_BUCKET_FLOOR_NS)
+        i, n = 0, len(ordered)
+        while i < n:
+            bucket = bisect_right(floors, ordered[i])
+            j = n if bucket == last else bisect_left(ordered, floors[bucket], i)
+            hist[base + bucket] += j - i
+            i = j
 
     def observe_pool(
         self, wait_s: float, saturation: float, waiting: int, now: float | None = None

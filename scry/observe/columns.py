@@ -1,7 +1,9 @@
 """A drained chunk of query records, column by column.
 
-The drain reads every record twice: once per shape group for statistics
-(``group_columns``) and once for the chunk's events (``event_columns``).
+The drain reads every record three times: once for the chunk's variants
+(``chunk_variants``, then ``group_records``), once per shape group for
+statistics (``group_columns``) and once for the chunk's events
+(``event_columns``).
 Both walk the records field by field and do the timeline arithmetic; in
 Python that is a dozen whole-column passes (``map`` over ``itemgetter``,
 ``sub``, ``floordiv``), in C (``scry/observe/_columns.pyx``, built when a C
@@ -18,9 +20,11 @@ from itertools import repeat
 from operator import add, floordiv, itemgetter, sub, truediv
 from typing import Any
 
+from scry.observe.fingerprint import DIGITS_TO_ZERO
 from scry.observe.record import QueryRecord
 
 _FIELDS = tuple(map(itemgetter, range(9)))
+_TEXT = _FIELDS[1]
 _CONTEXT_FIELDS = tuple(map(itemgetter, range(5)))
 
 
@@ -96,11 +100,44 @@ def py_event_columns(
     ]
 
 
+def py_chunk_variants(
+    batch: list[QueryRecord], variants: dict[int, Any]
+) -> tuple[list[bytes], list[int], list[Any]]:
+    """``(texts, keys, found)`` of a chunk: each record's text, its variant
+    key (``fingerprint.variant_key``: the hash of the text with its digits
+    zeroed) and the cached variant under that key in ``variants`` (None
+    when there is none)."""
+    texts = list(map(_TEXT, batch))
+    keys = list(map(hash, map(bytes.translate, texts, repeat(DIGITS_TO_ZERO))))
+    return texts, keys, list(map(dict.get.__get__(variants), keys))  # type: ignore[attr-defined]
+
+
+def py_group_records(variants: list[Any], batch: list[QueryRecord]) -> dict[Any, list[Any]]:
+    """The records grouped by their variants (``variants[i]`` is the variant
+    of ``batch[i]``), groups and records in the order they come."""
+    if len(variants) != len(batch):
+        raise ValueError("one variant per record")
+    groups: dict[Any, list[Any]] = {}
+    group_of = groups.get
+    for variant, rec in zip(variants, batch, strict=True):
+        group = group_of(variant)
+        if group is None:
+            groups[variant] = [rec]
+        else:
+            group.append(rec)
+    return groups
+
+
 try:  # the compiled twins, built by setup.py when a C compiler is at hand
+    from scry.observe._columns import chunk_variants as _compiled_chunk_variants
     from scry.observe._columns import event_columns as _compiled_event_columns
     from scry.observe._columns import group_columns as _compiled_group_columns
+    from scry.observe._columns import group_records as _compiled_group_records
 except ImportError:
     _compiled_event_columns = _compiled_group_columns = None
+    _compiled_chunk_variants = _compiled_group_records = None
 
 group_columns = _compiled_group_columns or py_group_columns
 event_columns = _compiled_event_columns or py_event_columns
+chunk_variants = _compiled_chunk_variants or py_chunk_variants
+group_records = _compiled_group_records or py_group_records

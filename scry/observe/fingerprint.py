@@ -101,7 +101,7 @@ def variant_key(text: bytes) -> int:
     text with its digits zeroed (so the cache holds no text a client sent;
     64 bits, keyed per process by Python's hash secret: a false hit among
     the at most ``max_variants`` keys is a 1-in-10^15 event per text). The
-    pipeline computes it column-wise, ``map(hash, map(bytes.translate, ...))``."""
+    pipeline computes it for a whole chunk (``columns.chunk_variants``)."""
     return hash(text.translate(DIGITS_TO_ZERO))
 
 
@@ -122,7 +122,7 @@ class Variant:
     each text.
     """
 
-    __slots__ = ("shape", "spans", "checks", "_getters")
+    __slots__ = ("shape", "spans", "checks")
 
     def __init__(
         self,
@@ -133,9 +133,6 @@ class Variant:
         self.shape = shape
         self.spans = spans
         self.checks = checks
-        self._getters = tuple(
-            (prefix.__add__, itemgetter(slice(start, end))) for prefix, start, end in spans
-        )
 
     def matches(self, text: bytes) -> bool:
         """Whether ``text`` (with this variant key) passes the digit checks."""
@@ -143,8 +140,23 @@ class Variant:
 
     def count_values(self, texts: list[bytes], counts: dict[bytes, int]) -> None:
         """Add the hot lookup value keys of ``texts`` (all of this variant) to ``counts``."""
-        for prefixed, value in self._getters:
-            count_elements(counts, map(prefixed, map(value, texts)))
+        count_span_values(texts, self.spans, counts)
+
+
+def py_count_span_values(
+    texts: list[bytes], spans: tuple[tuple[bytes, int, int], ...], counts: dict[bytes, int]
+) -> None:
+    """Count ``prefix + text[start:end]`` of every text for every span
+    ``(prefix, start, end)`` into ``counts``, span by span."""
+    for prefix, start, end in spans:
+        count_elements(counts, map(prefix.__add__, map(itemgetter(slice(start, end)), texts)))
+
+
+try:  # the compiled twin (scry/observe/_columns.pyx), when it was built
+    from scry.observe._columns import count_span_values as _compiled_count_span_values
+except ImportError:
+    _compiled_count_span_values = None
+count_span_values = _compiled_count_span_values or py_count_span_values
 
 
 class VariantCache(dict[int, "Variant"]):

@@ -6,12 +6,13 @@ background task drains the deque every ``drain_interval`` seconds, in chunks
 so one drain never holds the event loop long. The drain shares the proxy's
 CPU, so it works per *chunk*, not per record:
 
-1. per chunk, column-wise (``map`` over the chunk, no Python loop per
-   record): each text's variant (``fingerprint.Fingerprinter``: digits
-   zeroed, hashed, one dict hit, giving the shape and where its hot lookup
-   values sit); Python touches only the texts that missed the cache or need
-   a digit check; records are grouped by variant, and lookup values counted
-   (raw bytes, in a dict local to the drain);
+1. per chunk, in one compiled walk (``columns.chunk_variants``; no Python
+   loop per record): each text's variant (``fingerprint.Fingerprinter``:
+   digits zeroed, hashed, one dict hit, giving the shape and where its hot
+   lookup values sit); Python touches only the texts that missed the cache
+   or need a digit check; records are grouped by variant
+   (``columns.group_records``), and lookup values counted (raw bytes, in a
+   dict local to the drain: ``fingerprint.count_span_values``);
 2. per shape group: the timings, rows and errors summed with builtins over
    the group (``map``/``sum``/``sorted``), the latency histogram counted with
    one bisect per bucket, and one ``stats.StatsTable.add_group``;
@@ -53,9 +54,9 @@ from typing import Any
 
 from scry.config import ObservabilityConfig
 from scry.observe.anonymize import Anonymizer
-from scry.observe.columns import event_columns, group_columns
+from scry.observe.columns import chunk_variants, event_columns, group_columns, group_records
 from scry.observe.events import EventBlock, EventRing, Subscription, event_dict, make_predicate
-from scry.observe.fingerprint import DIGITS_TO_ZERO, Fingerprinter, Shape, Variant
+from scry.observe.fingerprint import Fingerprinter, Shape, Variant
 from scry.observe.histogram import add_sorted_ns
 from scry.observe.metrics import ObserveMetrics
 from scry.observe.record import CONTEXT, SQLSTATE, T_DONE, TEXT, QueryRecord
@@ -251,11 +252,9 @@ class Observatory:
         fingerprinter = self.fingerprinter
         variant_of = fingerprinter.variants.lookup
         values: dict[bytes, int] = {}
-        # The variant of every text, column-wise (fingerprint.variant_key);
+        # The variant of every text in one walk (fingerprint.variant_key);
         # then Python only for the texts that missed or need a digit check.
-        texts = list(map(_TEXT, batch))
-        keys = list(map(hash, map(bytes.translate, texts, repeat(DIGITS_TO_ZERO))))
-        variants: list[Any] = list(map(variant_of, keys))
+        texts, keys, variants = chunk_variants(batch, fingerprinter.variants)
         distinct = dict.fromkeys(variants)
         suspects = [v for v in distinct if v is None or v.checks is not None]
         if suspects:
@@ -272,18 +271,9 @@ class Observatory:
                                 values[key] = values.get(key, 0) + 1
                         variants[i] = variant
             distinct = dict.fromkeys(variants)
-        groups: dict[Variant, list[QueryRecord]]
-        if len(distinct) == 1:
-            groups = {variants[0]: batch}
-        else:
-            groups = {}
-            group_of = groups.get
-            for variant, rec in zip(variants, batch, strict=True):
-                group = group_of(variant)
-                if group is None:
-                    groups[variant] = [rec]
-                else:
-                    group.append(rec)
+        groups: dict[Variant, list[QueryRecord]] = (
+            {variants[0]: batch} if len(distinct) == 1 else group_records(variants, batch)
+        )
         by_shape: dict[Shape, list[QueryRecord]] = {}
         for variant, recs in groups.items():
             if variant.spans:
@@ -355,7 +345,8 @@ class Observatory:
                         pinned[reason] = pinned.get(reason, 0) + 1
         by_database = summary.by_database
         database = databases[0]
-        if databases.count(database) == n:
+        one_database = databases.count(database) == n
+        if one_database:
             entry = by_database.get(database)
             if entry is None:
                 by_database[database] = [errors, ordered, total_sum]
@@ -372,7 +363,11 @@ class Observatory:
                 entry[1].append(total)
                 entry[2] += total
         if summary.listened is not None:
-            summary.listened.append((databases, totals, sqlstates))
+            # Sorted when that keeps each latency beside its sqlstate (all
+            # None) and database: the health monitor sorts what it is given.
+            # (A copy: by_database may extend this very list.)
+            latencies = ordered[:] if errors == 0 and one_database else totals
+            summary.listened.append((databases, latencies, sqlstates))
 
     def _events(self, batch: list[QueryRecord], variants: list[Variant]) -> EventBlock:
         """The events of a chunk, in record order, built column by column

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scry import health as health_module
 from scry.breaker import classify_sqlstate
 from scry.config import ConfigError, HealthConfig, load_config
 from scry.health import (
@@ -324,6 +325,8 @@ def test_observe_latencies_counts_like_observe_query() -> None:
     latencies = [0, 1, 999, 10_000, 11_000, 11_999, 10**15, -3] + [
         int(rng.lognormvariate(13, 3)) for _ in range(20_000)
     ]
+    edges = health_module._BUCKET_FLOOR_NS  # either side of every bucket's floor
+    latencies += [edge + d for edge in edges for d in (-1, 0, 1)] + [edges[5]] * 50
     for latency in latencies:
         one.observe_query((latency // 1000) / 1e6)
     for _ in range(7):

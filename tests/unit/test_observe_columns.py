@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scry.observe import columns
+from scry.observe import columns, fingerprint
 from scry.observe.record import ClientContext
 
 pytestmark = pytest.mark.skipif(
@@ -95,3 +95,66 @@ def test_a_record_that_is_not_one_is_refused_by_both(bad: tuple) -> None:
     for walk in (columns._compiled_event_columns, columns.py_event_columns):
         with pytest.raises((TypeError, ValueError, IndexError, KeyError)):
             walk([bad], {}, 0.0)
+
+
+# Statement texts as the proxy records them (a Query body keeps its NUL),
+# digits and all, some longer than the compiled walk's stack buffer.
+text_st = st.one_of(
+    st.binary(max_size=40),
+    st.builds(
+        lambda n, pad: b"SELECT abalance FROM t WHERE aid = %d;" % n + b" " * pad + b"\x00",
+        st.integers(0, 10**9),
+        st.sampled_from([0, 1, 600, 5000]),
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(text_st, min_size=1, max_size=30), known=st.integers(0, 5))
+def test_chunk_variants_and_groups_say_what_the_python_ones_say(
+    texts: list[bytes], known: int
+) -> None:
+    recs = [(CONTEXTS[0], text, 0, 0, 0, 0, 5, None, None) for text in texts]
+    cache = {fingerprint.variant_key(text): f"v{i}" for i, text in enumerate(texts[:known])}
+    compiled = columns._compiled_chunk_variants(recs, cache)
+    assert compiled == columns.py_chunk_variants(recs, cache)
+    assert compiled[1] == [fingerprint.variant_key(text) for text in texts]
+    variants = compiled[2]
+    groups = columns._compiled_group_records(variants, recs)
+    assert groups == columns.py_group_records(variants, recs)
+    assert list(groups) == list(dict.fromkeys(variants)) and sum(map(len, groups.values())) == len(
+        recs
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    texts=st.lists(st.binary(max_size=30), max_size=20),
+    spans=st.lists(
+        st.tuples(
+            st.sampled_from([b"t.id\0", b"t.name\0", b""]), st.integers(0, 35), st.integers(0, 35)
+        ),
+        max_size=3,
+    ),
+)
+def test_span_values_are_counted_as_the_python_twin_counts_them(
+    texts: list[bytes], spans: list[tuple[bytes, int, int]]
+) -> None:
+    compiled: dict[bytes, int] = {b"t.id\x001": 2}
+    python = dict(compiled)
+    fingerprint._compiled_count_span_values(texts, tuple(spans), compiled)
+    fingerprint.py_count_span_values(texts, tuple(spans), python)
+    assert compiled == python and list(compiled) == list(python)
+
+
+def test_what_is_not_a_chunk_of_records_is_refused_by_both() -> None:
+    not_bytes = [(CONTEXTS[0], "SELECT 1", 0, 0, 0, 0, 5, None, None)]
+    for walk in (columns._compiled_chunk_variants, columns.py_chunk_variants):
+        with pytest.raises(TypeError):
+            walk(not_bytes, {})
+    for group in (columns._compiled_group_records, columns.py_group_records):
+        with pytest.raises(ValueError):
+            group([1, 2], [()])
+    for count in (fingerprint._compiled_count_span_values, fingerprint.py_count_span_values):
+        with pytest.raises(TypeError):
+            count(["text"], ((b"t.id\0", 0, 2),), {})

@@ -338,6 +338,33 @@ def test_chunked_drain_equals_per_record_accounting() -> None:
     ]
 
 
+def test_batch_listeners_hear_each_latency_once_when_shapes_share_a_database() -> None:
+    """Groups of one database and no errors are handed over sorted; the
+    drain's per-database lists grow from the first group's, which must not
+    reach the listeners twice."""
+    clocks = Clocks()
+    obs = _observatory(clocks)
+    heard: list[tuple[str, list[int], list[str | None]]] = []
+    obs.query_batch_listeners.append(
+        lambda database, totals, sqlstates: heard.append((database, list(totals), list(sqlstates)))
+    )
+    ctx = ClientContext("c1", "shop", "app", "web")
+    latencies = {
+        "SELECT * FROM a WHERE id = {}": [9, 3, 7],
+        "SELECT * FROM b WHERE id = {}": [5, 1],
+    }
+    for template, totals in latencies.items():
+        for i, total_us in enumerate(totals):
+            clocks.advance(0.001)
+            obs.record(_record(clocks, ctx, template.format(i) + "\0", total_us))
+    obs.drain()
+    assert [(database, sqlstates) for database, _, sqlstates in heard] == [
+        ("shop", [None] * 3),
+        ("shop", [None] * 2),
+    ]
+    assert [totals for _, totals, _ in heard] == [[3_000, 7_000, 9_000], [1_000, 5_000]]
+
+
 def test_event_ring_extend_counts_drops() -> None:
     from scry.observe.events import EventRing
 
