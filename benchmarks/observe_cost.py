@@ -34,7 +34,7 @@ from pathlib import Path
 from scry import workload
 from scry.config import ObservabilityConfig
 from scry.health import HealthMonitor
-from scry.observe.events import encode_batch
+from scry.observe.events import encode_batch, encode_parts
 from scry.observe.pipeline import Observatory
 from scry.observe.record import ClientContext
 from scry.observe.sinks import FileSink
@@ -195,7 +195,7 @@ def bench_workload(name: str, records: list[tuple], tmp: Path) -> None:
             # the ready ones in one trip to the file.
             frames = []
             while len(ring):
-                payload, flags = encode_batch(ring.take_block(BATCH_SIZE), "gzip")
+                payload, flags = encode_parts(ring.take_parts(BATCH_SIZE), "gzip")
                 frames.append(_frame(payload, flags))
             sink._write_frames(frames)
         return (time.process_time() - t) / n * 1e6
