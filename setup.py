@@ -7,6 +7,42 @@ C compiler the install still succeeds and scry uses their pure-Python twins;
 metadata is in pyproject.toml."""
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildWhatCompiles(build_ext):
+    """Builds each extension it can and warns about the others, which scry
+    then runs as their pure-Python twins. (``optional=True`` alone is lost:
+    ``cythonize`` hands back new Extension objects without it, and one
+    failed compile failed the whole install.)"""
+
+    failed: frozenset[str] = frozenset()
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # a compile error, no compiler at all, ...
+            self.failed = self.failed | {ext.name}
+            print(f"warning: {ext.name} was not built ({exc}); scry uses its pure-Python twin")
+
+    # What is copied into the tree (an editable install) or the wheel: only what was built.
+    def copy_extensions_to_source(self) -> None:
+        self._only_built(super().copy_extensions_to_source)
+
+    def get_outputs(self) -> list[str]:
+        return self._only_built(super().get_outputs)
+
+    def get_output_mapping(self) -> dict[str, str]:
+        return self._only_built(super().get_output_mapping)
+
+    def _only_built(self, step):  # type: ignore[no-untyped-def]
+        every = self.extensions
+        self.extensions = [ext for ext in every if ext.name not in self.failed]
+        try:
+            return step()
+        finally:
+            self.extensions = every
+
 
 try:
     from Cython.Build import cythonize
@@ -24,4 +60,4 @@ else:
         quiet=True,
     )
 
-setup(ext_modules=ext_modules)
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildWhatCompiles})
