@@ -12,9 +12,9 @@ from setuptools.command.build_ext import build_ext
 
 class BuildWhatCompiles(build_ext):
     """Builds each extension it can and warns about the others, which scry
-    then runs as their pure-Python twins. (``optional=True`` alone is lost:
-    ``cythonize`` hands back new Extension objects without it, and one
-    failed compile failed the whole install.)"""
+    then runs as their pure-Python twins. (``Extension(optional=True)`` is
+    not enough: ``cythonize`` hands back new Extension objects without it,
+    and one failed compile failed the whole install.)"""
 
     failed: frozenset[str] = frozenset()
 
@@ -51,11 +51,11 @@ except ImportError:  # (a build without Cython: the pure-Python twins)
 else:
     ext_modules = cythonize(
         [
-            Extension("scry.protocol._scan", ["scry/protocol/_scan.pyx"], optional=True),
-            Extension("scry._relay", ["scry/_relay.pyx"], optional=True),
-            Extension("scry.observe._hot", ["scry/observe/_hot.pyx"], optional=True),
-            Extension("scry.observe._columns", ["scry/observe/_columns.pyx"], optional=True),
-            Extension("scry.observe._encode", ["scry/observe/_encode.pyx"], optional=True),
+            Extension("scry.protocol._scan", ["scry/protocol/_scan.pyx"]),
+            Extension("scry._relay", ["scry/_relay.pyx"]),
+            Extension("scry.observe._hot", ["scry/observe/_hot.pyx"]),
+            Extension("scry.observe._columns", ["scry/observe/_columns.pyx"]),
+            Extension("scry.observe._encode", ["scry/observe/_encode.pyx"]),
         ],
         quiet=True,
     )

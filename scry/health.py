@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from scry.config import HealthConfig
+from scry.observe.histogram import add_sorted_ns
 
 __all__ = [
     "CRITICAL",
@@ -125,6 +125,8 @@ def _bucket_floors_ns() -> list[int]:
 
 
 _BUCKET_FLOOR_NS = _bucket_floors_ns()
+# Every bucket's lower bound, as histogram.add_sorted_ns takes them.
+_BUCKET_LOWER_NS = [0, *_BUCKET_FLOOR_NS, 1 << 80]
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +221,7 @@ class HealthMonitor:
         """Many completed queries at once (the drain's batches): ``latencies_ns``
         of those that did not end in a server-sickness error, and ``errors``
         that did. Counts exactly what ``observe_query((ns // 1000) / 1e6)``
-        would for each, with one bisect per latency in C."""
+        would for each, a bucket at a time over the sorted latencies."""
         sec = int(self._now() if now is None else now)
         if sec != self._sec:
             self._roll(sec)
@@ -228,18 +230,14 @@ class HealthMonitor:
         self._errors[slot] += errors
         if not latencies_ns:
             return
-        # Sorted, then one bisect per bucket hit rather than one per latency:
+        # Sorted, then counted a bucket at a time (histogram.add_sorted_ns):
         # the drain hands them over sorted when it can (timsort's pass over a
         # sorted list is linear), and a latency histogram hits few buckets.
-        ordered = sorted(latencies_ns)
+        buckets: dict[int, int] = {}
+        add_sorted_ns(buckets, sorted(latencies_ns), _BUCKET_LOWER_NS)
         hist, base = self._hist, slot * N_BUCKETS
-        floors, last = _BUCKET_FLOOR_NS, len(_BUCKET_FLOOR_NS)
-        i, n = 0, len(ordered)
-        while i < n:
-            bucket = bisect_right(floors, ordered[i])
-            j = n if bucket == last else bisect_left(ordered, floors[bucket], i)
-            hist[base + bucket] += j - i
-            i = j
+        for bucket, count in buckets.items():
+            hist[base + bucket] += count
 
     def observe_pool(
         self, wait_s: float, saturation: float, waiting: int, now: float | None = None

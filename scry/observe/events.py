@@ -222,15 +222,12 @@ class EventRing:
 
     def take_block(self, limit: int) -> EventBlock:
         """Remove and return up to ``limit`` of the oldest events, as one block."""
-        return _concat_parts(self._take(limit))
+        return _concat_parts(self.take_parts(limit))
 
     def take_parts(self, limit: int) -> list[tuple[Sequence[Sequence[Any]], int, int]]:
         """Remove up to ``limit`` of the oldest events and return them as
         ``(columns, start, stop)`` slices of the blocks that held them, in
         order (for ``encode_parts``: no column is copied)."""
-        return self._take(limit)
-
-    def _take(self, limit: int) -> list[tuple[Sequence[Sequence[Any]], int, int]]:
         blocks = self._blocks
         parts = []
         need = min(limit, self._len)

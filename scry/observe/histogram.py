@@ -92,17 +92,22 @@ def percentiles(counts: dict[int, int], quantiles: Iterable[float]) -> list[floa
     return out
 
 
-def add_sorted_ns(counts: dict[int, int], values: list[int]) -> None:
+def add_sorted_ns(
+    counts: dict[int, int], values: list[int], lower: list[int] | None = None
+) -> None:
     """Count sorted durations in nanoseconds as ``bucket_of(ns // 1000)`` would.
 
     Buckets are numbered 0, 1, 2, ... in the order of their lower bounds, so
-    a bucket is a bisect into ``_LOWER_NS``. Dense values (several per bucket)
-    are counted with two bisects per bucket hit; sparse ones with one bisect
-    each, in C (``map`` and ``count_elements``)."""
+    a bucket is a bisect into ``lower`` (``_LOWER_NS`` unless given: any
+    ascending bounds, the first bucket's first, ending with a bound above
+    every value; values below the first count in bucket 0). Dense values
+    (several per bucket) are counted with two bisects per bucket hit; sparse
+    ones with one bisect each, in C (``map`` and ``count_elements``)."""
     n = len(values)
     if not n:
         return
-    lower = _LOWER_NS
+    if lower is None:
+        lower = _LOWER_NS
     first = bisect_right(lower, values[0])
     span = bisect_right(lower, values[-1]) - first + 1
     if n < 4 * span:
