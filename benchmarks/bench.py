@@ -37,6 +37,7 @@ import contextlib
 import copy
 import datetime
 import json
+import math
 import os
 import platform
 import pwd
@@ -652,8 +653,62 @@ def fmt(value: float | None, spec: str = ".0f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """A distribution-free confidence interval for the median of ``values``
+    (order statistics, binomial coverage): ``(low, high, coverage)``, the
+    narrowest symmetric one covering at least ``level``; None below 2 values.
+    With few values it cannot reach ``level``: then the full range and the
+    coverage it has (5 rounds: 94%; 12 rounds: x(3)..x(10), 96%)."""
+    vals = sorted(values)
+    n = len(vals)
+    if n < 2:
+        return None
+
+    def coverage(k: int) -> float:  # of vals[k]..vals[n-1-k]: 1 - 2 P(Binomial(n, 1/2) <= k)
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+    k = 0  # values dropped from each end
+    while k + 1 < n - 2 - k and coverage(k + 1) >= level:
+        k += 1
+    return vals[k], vals[n - 1 - k], coverage(k)
+
+
+def paired_ratios(
+    results: list[RunResult], scenario: str, target: str, base: str, metric: str = "tps"
+) -> list[float]:
+    """``target``'s ``metric`` over ``base``'s, round by round (their runs
+    are seconds apart, so drifting load on the machine cancels out)."""
+    by_round: dict[tuple[str, int], float] = {}
+    for r in results:
+        value = getattr(r, metric)
+        if r.scenario == scenario and r.ok and value:
+            by_round[(r.target, r.round)] = value
+    return [
+        value / by_round[(base, rnd)]
+        for (label, rnd), value in sorted(by_round.items(), key=lambda kv: kv[0][1])
+        if label == target and (base, rnd) in by_round
+    ]
+
+
+def fmt_paired(ratios: list[float] | None) -> str:
+    """``0.79× [0.74–0.83, 96%, 12 rounds]``: the median and its interval."""
+    if not ratios:
+        return "-"
+    interval = median_interval(ratios)
+    if interval is None:
+        return f"{statistics.median(ratios):.2f}× [1 round]"
+    low, high, coverage = interval
+    return (
+        f"{statistics.median(ratios):.2f}× [{low:.2f}–{high:.2f}, "
+        f"{coverage:.0%}, {len(ratios)} rounds]"
+    )
+
+
 def summarize(
-    results: list[RunResult], scenarios: list[Scenario], targets: list[Target]
+    results: list[RunResult],
+    scenarios: list[Scenario],
+    targets: list[Target],
+    versus: str | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     for sc in scenarios:
@@ -694,18 +749,16 @@ def summarize(
         # then the median of those: steadier than a ratio of medians when other
         # load on the machine drifts during a run.
         bouncer = next((t.label for t in targets if t.kind == "pgbouncer"), None)
-        by_round = {
-            (r.target, r.round): r.tps
-            for r in results
-            if r.scenario == sc.label and r.ok and r.tps is not None
-        }
         for label, v in per.items():
-            ratios = [
-                tps / by_round[(bouncer, rnd)]
-                for (target, rnd), tps in by_round.items()
-                if target == label and by_round.get((bouncer, rnd))
-            ]
-            v["vs_pgbouncer_paired"] = median(list(ratios)) if bouncer and ratios else None
+            ratios = paired_ratios(results, sc.label, label, bouncer) if bouncer else []
+            v["vs_pgbouncer_rounds"] = ratios
+            v["vs_pgbouncer_paired"] = median(list(ratios)) if ratios else None
+        if versus is not None and versus in per:
+            for label, v in per.items():
+                v["vs_versus_tps"] = paired_ratios(results, sc.label, label, versus)
+                v["vs_versus_cpu"] = paired_ratios(
+                    results, sc.label, label, versus, "proxy_cpu_us_per_txn"
+                )
         summary[sc.label] = per
     return summary
 
@@ -760,7 +813,10 @@ def _plain_line(cells: list[str], widths: list[int]) -> str:
 
 
 def print_report(
-    summary: dict[str, dict[str, dict[str, Any]]], scenarios: list[Scenario], plain: bool
+    summary: dict[str, dict[str, dict[str, Any]]],
+    scenarios: list[Scenario],
+    plain: bool,
+    versus: str | None = None,
 ) -> None:
     console = None
     if not plain:
@@ -812,7 +868,7 @@ def print_report(
         has_floor = any(v["kind"] == "floor" for v in per.values())
         lines = [
             f"  {sc.label:<6} {label:<14} {fmt(v['vs_pgbouncer'], '.2f', '×')} PgBouncer "
-            f"({fmt(v['vs_pgbouncer_paired'], '.2f', '×')} same-round)  "
+            f"(same-round {fmt_paired(v['vs_pgbouncer_rounds'])})  "
             f"{fmt(v['vs_direct'], '.2f', '×')} direct  "
             + (
                 f"{fmt(v['vs_floor'], '.2f', '×')} floor  "
@@ -828,6 +884,18 @@ def print_report(
             if v["kind"] in ("scry", "floor")
         ]
         print("\n".join(lines) if lines else f"  {sc.label:<6} (no scry or floor target)")
+    if versus is not None:
+        print(
+            f"\nSame-round ratios to {versus} (median [interval for the median, its "
+            "coverage, rounds]):"
+        )
+        for sc in scenarios:
+            for label, v in summary[sc.label].items():
+                if label != versus and "vs_versus_tps" in v:
+                    print(
+                        f"  {sc.label:<6} {label:<14} tps {fmt_paired(v['vs_versus_tps'])}  "
+                        f"proxy CPU per txn {fmt_paired(v['vs_versus_cpu'])}"
+                    )
 
 
 # --------------------------------------------------------------------------- #
@@ -971,6 +1039,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--run-timeout-slack", type=int, default=60, help="a run is killed after duration + this"
     )
+    p.add_argument(
+        "--versus",
+        metavar="TARGET",
+        help="also print every target's same-round tps and proxy-CPU ratios to TARGET, "
+        "with an interval for their median (e.g. a variant with observability off; "
+        "'--variant again:' adds a second, identical scry: an A/A check of the noise)",
+    )
     p.add_argument("--json", metavar="FILE", help="write raw results and medians as JSON")
     p.add_argument(
         "--plain", action="store_true", help="plain-text tables even if rich is installed"
@@ -994,6 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown target {n!r}: use {', '.join(builtin)} or a --variant label")
     if len(set(names)) != len(names):
         raise SystemExit("duplicate target names")
+    if args.versus is not None and args.versus not in names:
+        raise SystemExit(f"--versus {args.versus!r} is not one of the targets ({', '.join(names)})")
 
     extra_cfg: dict[str, Any] = {}
     if args.scry_config_extra:
@@ -1185,7 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
             interrupted = True
             log("\ninterrupted: reporting what was measured, then cleaning up")
 
-        summary = summarize(results, scenarios, targets)
+        summary = summarize(results, scenarios, targets, args.versus)
         print()
         print(
             f"pgbench {' '.join(args.pgbench_arg)} -j {args.threads} -T {args.duration}, "
@@ -1197,7 +1274,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {t.label:<12} {t.description}"
                 + (f"  [BROKEN: {t.broken.splitlines()[0]}]" if t.broken else "")
             )
-        print_report(summary, scenarios, args.plain)
+        print_report(summary, scenarios, args.plain, args.versus)
         print(
             "\ntps: median over rounds (-C: including connection time); lat: pgbench's average "
             "latency; conn ms: average connection time (-C only).\n"
