@@ -89,10 +89,15 @@ def test_counters_match_pgbouncer(pair: tuple[Bouncer, Bouncer]) -> None:
     for key in DETERMINISTIC:
         assert ours[0][key] == theirs[0][key] == 0, key
         assert ours[1][key] == theirs[1][key], (key, ours[1][key], theirs[1][key])
-    # The pipeline counts once, in both. psycopg may add a Flush (5 bytes) to a
-    # pipeline depending on timing, so its bytes may differ by that much.
+    # The pipeline (three Parse/Bind/Describe/Execute, flushed one by one, then
+    # a Sync and a Flush) counts once. PgBouncer 1.18 once counted two
+    # transactions for it in CI (not reproduced in 14 runs since, 8 of them
+    # on a loaded machine): only scry's figure is held exact here.
+    # psycopg may add a Flush (5 bytes) to a pipeline depending on timing, so
+    # its bytes may differ by that much.
     for key in ("total_xact_count", "total_query_count"):
-        assert ours[2][key] - ours[1][key] == theirs[2][key] - theirs[1][key] == 1, key
+        assert ours[2][key] - ours[1][key] == 1, key
+        assert 1 <= theirs[2][key] - theirs[1][key] <= 2, key
     for key in ("total_received", "total_sent"):
         assert abs(ours[2][key] - theirs[2][key]) <= 5, (key, ours[2][key], theirs[2][key])
     # The script's own figures, so that a change on both sides is noticed too.
