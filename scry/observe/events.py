@@ -372,6 +372,12 @@ def encode_parts(
     """(payload, flags) for one batch of the events ``parts`` hold, in order:
     ``(columns, start, stop)`` each, a slice of a block's columns (what
     ``EventRing.take_parts`` gives: nothing is copied to cut a batch out)."""
+    return compress_payload(serialize_parts(parts), compression)
+
+
+def serialize_parts(parts: list[tuple[Sequence[Sequence[Any]], int, int]]) -> bytes:
+    """The uncompressed payload of ``encode_parts``: the FlexBuffers map
+    (needs the GIL throughout; compressing it need not)."""
     n = sum(stop - start for _, start, stop in parts)
     try:
         table, columns = encode_columns(parts, _LAYOUT_CODES)
@@ -379,7 +385,7 @@ def encode_parts(
         # The compiled walk only takes what it encodes exactly as the twin
         # does; the twin encodes the rest (or raises the error it always did).
         table, columns = py_encode_columns(parts, _LAYOUT_CODES)
-    return compress_payload(_batch_map(n, table, columns), compression)
+    return _batch_map(n, table, columns)
 
 
 def py_encode_columns(

@@ -427,21 +427,24 @@ async def test_shipper_hands_ready_batches_over_in_one_write(tmp_path: Path) -> 
     path = tmp_path / "events.log"
     sink = CountingFileSink(path)
     flushed: list[tuple[int, bool]] = []
+    nine_flushed, all_flushed = asyncio.Event(), asyncio.Event()
+
+    def on_flush(count: int, seconds: float, ok: bool) -> None:
+        flushed.append((count, ok))
+        if len(flushed) == 9:
+            nine_flushed.set()
+        if len(flushed) == 10:
+            all_flushed.set()
+
     ring = EventRing(10_000)
-    shipper = EventShipper(
-        ring,
-        sink,
-        batch_size=10,
-        flush_interval=0.05,
-        on_flush=lambda count, seconds, ok: flushed.append((count, ok)),
-    )
+    shipper = EventShipper(ring, sink, batch_size=10, flush_interval=0.5, on_flush=on_flush)
     ring.extend(EventBlock.of_events([_event(i) for i in range(95)]))
     shipper.start()
     shipper.notify()
-    await asyncio.sleep(0.02)
+    await asyncio.wait_for(nine_flushed.wait(), 5)
     # The nine full batches went in one write; the last five wait for the interval.
     assert sink.calls == [9] and shipper.shipped == 90 and len(ring) == 5
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(all_flushed.wait(), 5)
     assert shipper.shipped == 95 and shipper.batches == 10
     await shipper.stop()
     assert flushed == [(10, True)] * 9 + [(5, True)]
