@@ -1,8 +1,9 @@
 """Builds scry's optional C extensions from Cython: scry.protocol._scan (the
 relay's message scanner), scry._relay (the relay's hot state and its fast
 paths), scry.observe._hot (the drain's hot-value counter),
-scry.observe._columns (the drain's walk over a chunk of records) and
-scry.observe._encode (the event sink's batch encoder). Without a
+scry.observe._columns (the drain's walk over a chunk of records),
+scry.observe._encode (the event sink's batch encoder) and
+scry.observe._histogram (durations counted into buckets). Without a
 C compiler the install still succeeds and scry uses their pure-Python twins;
 metadata is in pyproject.toml."""
 
@@ -56,6 +57,7 @@ else:
             Extension("scry.observe._hot", ["scry/observe/_hot.pyx"]),
             Extension("scry.observe._columns", ["scry/observe/_columns.pyx"]),
             Extension("scry.observe._encode", ["scry/observe/_encode.pyx"]),
+            Extension("scry.observe._histogram", ["scry/observe/_histogram.pyx"]),
         ],
         quiet=True,
     )

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scry.config import HealthConfig
-from scry.observe.histogram import add_sorted_ns
+from scry.observe.histogram import BucketBounds, add_ns
 
 __all__ = [
     "CRITICAL",
@@ -125,8 +125,9 @@ def _bucket_floors_ns() -> list[int]:
 
 
 _BUCKET_FLOOR_NS = _bucket_floors_ns()
-# Every bucket's lower bound, as histogram.add_sorted_ns takes them.
+# Every bucket's lower bound, as histogram.add_ns takes them.
 _BUCKET_LOWER_NS = [0, *_BUCKET_FLOOR_NS, 1 << 80]
+_BUCKETS = BucketBounds(_BUCKET_LOWER_NS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +222,7 @@ class HealthMonitor:
         """Many completed queries at once (the drain's batches): ``latencies_ns``
         of those that did not end in a server-sickness error, and ``errors``
         that did. Counts exactly what ``observe_query((ns // 1000) / 1e6)``
-        would for each, a bucket at a time over the sorted latencies."""
+        would for each."""
         sec = int(self._now() if now is None else now)
         if sec != self._sec:
             self._roll(sec)
@@ -230,11 +231,8 @@ class HealthMonitor:
         self._errors[slot] += errors
         if not latencies_ns:
             return
-        # Sorted, then counted a bucket at a time (histogram.add_sorted_ns):
-        # the drain hands them over sorted when it can (timsort's pass over a
-        # sorted list is linear), and a latency histogram hits few buckets.
         buckets: dict[int, int] = {}
-        add_sorted_ns(buckets, sorted(latencies_ns), _BUCKET_LOWER_NS)
+        add_ns(buckets, latencies_ns, _BUCKETS)  # in any order: nothing is sorted
         hist, base = self._hist, slot * N_BUCKETS
         for bucket, count in buckets.items():
             hist[base + bucket] += count

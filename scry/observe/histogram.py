@@ -11,8 +11,9 @@ holds only the buckets that were hit and never more than that bound.
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 
 try:
@@ -27,14 +28,18 @@ except ImportError:  # pragma: no cover - other interpreters
 
 
 __all__ = [
+    "NS_BUCKETS",
     "RELATIVE_ERROR",
     "SUB_BITS",
+    "BucketBounds",
     "LogHistogram",
+    "add_ns",
     "add_sorted_ns",
     "bucket_bounds",
     "bucket_of",
     "bucket_value",
     "count_elements",
+    "count_positions",
     "merge_into",
     "percentiles",
 ]
@@ -127,6 +132,48 @@ def add_sorted_ns(
         i = j
 
 
+class BucketBounds:
+    """Ascending bucket bounds, as a list (for ``bisect``) and as int64s
+    (for the compiled count). Neither change to the int64s moves an int64's
+    ``bisect_right`` position: the bounds no int64 reaches are left out, and
+    those below every int64 are raised to the least."""
+
+    __slots__ = ("lower", "int64")
+
+    def __init__(self, lower: Sequence[int]) -> None:
+        self.lower = list(lower)
+        least = -(1 << 63)
+        self.int64 = array("q", [max(b, least) for b in self.lower if b < 1 << 63])
+
+
+def py_count_positions(values: Sequence[int], bounds: BucketBounds) -> dict[int, int]:
+    """``{bisect_right(bounds.lower, v): how many v}`` over ``values`` (any
+    order; one bisect each, in C: ``map`` and ``count_elements``)."""
+    positions: dict[int, int] = {}
+    count_elements(positions, map(bisect_right, repeat(bounds.lower, len(values)), values))
+    return positions
+
+
+def count_positions(values: Sequence[int], bounds: BucketBounds) -> dict[int, int]:
+    """``py_count_positions``, compiled when it can be (``_histogram.pyx``:
+    int64 values in a list)."""
+    if _compiled_count_positions is not None and values.__class__ is list:
+        try:
+            return _compiled_count_positions(values, bounds.int64)
+        except (OverflowError, TypeError):
+            pass  # not all int64: the twin takes any number
+    return py_count_positions(values, bounds)
+
+
+def add_ns(
+    counts: dict[int, int], values: Sequence[int], bounds: BucketBounds | None = None
+) -> None:
+    """``add_sorted_ns`` for durations in any order (nothing is sorted)."""
+    for position, count in count_positions(values, bounds or NS_BUCKETS).items():
+        bucket = position - 1 if position > 0 else 0  # negative: counted as 0
+        counts[bucket] = counts.get(bucket, 0) + count
+
+
 def merge_into(target: dict[int, int], source: dict[int, int]) -> None:
     """Add the counts of ``source`` to ``target``."""
     for index, count in source.items():
@@ -156,3 +203,9 @@ class LogHistogram:
 # Lower bounds of every bucket in ns (a duration d counts as d // 1000 µs), and
 # a sentinel above the last one (values beyond 2**40 µs are clamped into it).
 _LOWER_NS = [bucket_bounds(b)[0] * 1000 for b in range(bucket_of(_MAX_VALUE) + 1)] + [1 << 80]
+NS_BUCKETS = BucketBounds(_LOWER_NS)
+
+try:  # the compiled twin (scry/observe/_histogram.pyx), when it was built
+    from scry.observe._histogram import count_positions as _compiled_count_positions
+except ImportError:  # pragma: no cover - no C compiler at install time
+    _compiled_count_positions = None

@@ -1,8 +1,9 @@
 """Prometheus metrics in a registry of scry's own (never the global one).
 
 Per-query timings are counted into plain integer arrays, a drain's worth at
-a time (``observe_database`` and ``observe_phases`` take sorted durations and
-count each bucket with one bisect; ``observe_query`` counts one statement),
+a time (``observe_database`` and ``observe_phases`` take a drain's durations
+in any order, counted into buckets in one pass: ``histogram.count_positions``;
+``observe_query`` counts one statement),
 and turned into histogram families only when Prometheus scrapes, so queries
 cost no prometheus-client locking. Latency is labelled by database, never by
 fingerprint (unbounded label sets would blow up the time-series database).
@@ -33,6 +34,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from scry.observe.histogram import BucketBounds, count_positions
+
 #: Histogram bucket upper bounds, µs (100 µs .. 10 s).
 BOUNDS_US = (
     100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000,
@@ -42,6 +45,7 @@ _LE = [f"{b / 1e6:g}" for b in BOUNDS_US] + ["+Inf"]
 # A duration of d ns counts as d // 1000 µs: it is above bound b µs (in a later
 # bucket) exactly when d >= (b + 1) * 1000.
 _EDGES_NS = tuple((b + 1) * 1000 for b in BOUNDS_US)
+_EDGES = BucketBounds(_EDGES_NS)
 
 PoolStatsProvider = Callable[[], Iterable[dict[str, Any]]]
 
@@ -60,7 +64,7 @@ class _Timing:
         self.sum_ns += value_us * 1000
 
     def add_ns(self, values: list[int], sum_ns: int) -> None:
-        """Count durations in ns (``sum_ns`` is their sum); sorts ``values``."""
+        """Count durations in ns, in any order (``sum_ns`` is their sum)."""
         counts = self.counts
         n = len(values)
         if not n:
@@ -68,15 +72,9 @@ class _Timing:
         if max(values) < _EDGES_NS[0]:
             counts[0] += n  # the common case for queue and acquire times
         else:
-            values.sort()
-            done = 0
-            for i, edge in enumerate(_EDGES_NS):
-                if done == n:
-                    break
-                upto = bisect_left(values, edge, done)
-                counts[i] += upto - done
-                done = upto
-            counts[-1] += n - done
+            # A duration's bucket is how many edges it reaches (bisect_right).
+            for position, count in count_positions(values, _EDGES).items():
+                counts[position] += count
         self.sum_ns += sum_ns
 
     def buckets(self) -> list[tuple[str, int]]:
@@ -165,7 +163,7 @@ class ObserveMetrics:
         self, database: str, errors: int, totals_ns: list[int], sum_ns: int
     ) -> None:
         """Count many statements of one database at once: ``totals_ns`` are
-        their latencies in ns (sorted in place), ``sum_ns`` their sum."""
+        their latencies in ns (any order), ``sum_ns`` their sum."""
         entry = self._by_database.get(database)
         if entry is None:
             entry = self._by_database[database] = (_Timing(), [0, 0])
@@ -181,9 +179,8 @@ class ObserveMetrics:
         backend_ns: list[int],
         acquire_zeros: int = 0,
     ) -> None:
-        """Count the queue, pool-acquire and backend times (ns; the lists are
-        sorted in place) of many statements at once, plus ``acquire_zeros``
-        acquire times of 0."""
+        """Count the queue, pool-acquire and backend times (ns, any order)
+        of many statements at once, plus ``acquire_zeros`` acquire times of 0."""
         self._queue.add_ns(queue_ns, sum(queue_ns))
         self._acquire.add_ns(acquire_ns, sum(acquire_ns))
         self._acquire.counts[0] += acquire_zeros

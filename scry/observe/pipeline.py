@@ -14,10 +14,11 @@ CPU, so it works per *chunk*, not per record:
    (``columns.group_records``), and lookup values counted (raw bytes, in a
    dict local to the drain: ``fingerprint.count_span_values``);
 2. per shape group: the timings, rows and errors summed with builtins over
-   the group (``map``/``sum``/``sorted``), the latency histogram counted with
-   one bisect per bucket, and one ``stats.StatsTable.add_group``;
+   the group (``map``/``sum``/``min``/``max``), the latency histogram counted
+   in one compiled pass (``histogram.add_ns``: nothing is sorted), and one
+   ``stats.StatsTable.add_group``;
 3. per database and per drain: the Prometheus histograms
-   (``metrics.ObserveMetrics``), one bisect per bucket;
+   (``metrics.ObserveMetrics``), counted the same way;
 4. per distinct lookup value: one keyed hash into the hot-value sketch
    (``sketch.HotData.add_values``); the raw values die with the drain;
 5. only when someone listens: the proxy's query listeners (per record), and
@@ -57,7 +58,7 @@ from scry.observe.anonymize import Anonymizer
 from scry.observe.columns import chunk_variants, event_columns, group_columns, group_records
 from scry.observe.events import EventBlock, EventRing, Subscription, event_dict, make_predicate
 from scry.observe.fingerprint import Fingerprinter, Shape, Variant
-from scry.observe.histogram import add_sorted_ns
+from scry.observe.histogram import add_ns
 from scry.observe.metrics import ObserveMetrics
 from scry.observe.record import CONTEXT, SQLSTATE, T_DONE, TEXT, QueryRecord
 from scry.observe.sinks import EventShipper, Sink, make_sink
@@ -316,15 +317,18 @@ class Observatory:
             for part in by_slot.values():
                 self._summarize_group(summary, shape, part)
             return
-        ordered = sorted(totals)
+        # Nothing is sorted: the histograms count a chunk's durations in
+        # any order (histogram.count_positions), and sorting them was most
+        # of what counting them cost.
         total_sum = sum(totals)
-        if ordered[0] < 0 or ordered[-1] > _MAX_NS:  # clamped, as StatsTable.add does
+        shortest, longest = min(totals), max(totals)
+        if shortest < 0 or longest > _MAX_NS:  # clamped, as StatsTable.add does
             clamped = [min(max(t // 1000, 0), _MAX_US) for t in totals]
             total_us, min_us, max_us = sum(clamped), min(clamped), max(clamped)
         else:
-            total_us, min_us, max_us = total_sum // 1000, ordered[0] // 1000, ordered[-1] // 1000
+            total_us, min_us, max_us = total_sum // 1000, shortest // 1000, longest // 1000
         hist: dict[int, int] = {}
-        add_sorted_ns(hist, ordered)
+        add_ns(hist, totals)
         queue_sum = sum(queues)
         backend_sum = sum(backends)
         summary.groups.append(
@@ -348,11 +352,11 @@ class Observatory:
         one_database = databases.count(database) == n
         if one_database:
             entry = by_database.get(database)
-            if entry is None:
-                by_database[database] = [errors, ordered, total_sum]
+            if entry is None:  # a copy: later groups extend it
+                by_database[database] = [errors, totals[:], total_sum]
             else:
                 entry[0] += errors
-                entry[1] += ordered
+                entry[1] += totals
                 entry[2] += total_sum
         else:
             for database, total, sqlstate in zip(databases, totals, sqlstates, strict=True):
@@ -363,11 +367,7 @@ class Observatory:
                 entry[1].append(total)
                 entry[2] += total
         if summary.listened is not None:
-            # Sorted when that keeps each latency beside its sqlstate (all
-            # None) and database: the health monitor sorts what it is given.
-            # (A copy: by_database may extend this very list.)
-            latencies = ordered[:] if errors == 0 and one_database else totals
-            summary.listened.append((databases, latencies, sqlstates))
+            summary.listened.append((databases, totals, sqlstates))
 
     def _events(self, batch: list[QueryRecord], variants: list[Variant]) -> EventBlock:
         """The events of a chunk, in record order, built column by column

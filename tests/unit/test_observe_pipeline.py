@@ -339,9 +339,9 @@ def test_chunked_drain_equals_per_record_accounting() -> None:
 
 
 def test_batch_listeners_hear_each_latency_once_when_shapes_share_a_database() -> None:
-    """Groups of one database and no errors are handed over sorted; the
-    drain's per-database lists grow from the first group's, which must not
-    reach the listeners twice."""
+    """Each group's latencies are handed over in record order, beside their
+    sqlstates; the drain's per-database lists grow from a copy of the first
+    group's, which must not reach the listeners twice."""
     clocks = Clocks()
     obs = _observatory(clocks)
     heard: list[tuple[str, list[int], list[str | None]]] = []
@@ -362,7 +362,7 @@ def test_batch_listeners_hear_each_latency_once_when_shapes_share_a_database() -
         ("shop", [None] * 3),
         ("shop", [None] * 2),
     ]
-    assert [totals for _, totals, _ in heard] == [[3_000, 7_000, 9_000], [1_000, 5_000]]
+    assert [totals for _, totals, _ in heard] == [[9_000, 3_000, 7_000], [5_000, 1_000]]
 
 
 def test_event_ring_extend_counts_drops() -> None:

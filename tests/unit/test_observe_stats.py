@@ -9,13 +9,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scry.observe import histogram
 from scry.observe.histogram import (
+    NS_BUCKETS,
     RELATIVE_ERROR,
+    BucketBounds,
     LogHistogram,
+    add_ns,
     add_sorted_ns,
     bucket_bounds,
     bucket_of,
+    count_positions,
     percentiles,
+    py_count_positions,
 )
 from scry.observe.stats import StatsTable
 
@@ -145,6 +151,42 @@ def test_add_sorted_ns_counts_like_bucket_of(values: list[int]) -> None:
         b = bucket_of(min(max(v // 1000, 0), (1 << 40) - 1))
         expected[b] = expected.get(b, 0) + 1
     assert counts == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-5_000, max_value=(1 << 42) * 1000), max_size=300))
+def test_add_ns_counts_any_order_as_add_sorted_ns_counts_sorted(values: list[int]) -> None:
+    unsorted: dict[int, int] = {}
+    add_ns(unsorted, values)
+    ordered: dict[int, int] = {}
+    add_sorted_ns(ordered, sorted(values))
+    assert unsorted == ordered
+
+
+_INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
+
+
+@pytest.mark.skipif(
+    histogram._compiled_count_positions is None, reason="the extension was not built"
+)
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_INT64, max_size=200),
+    st.lists(st.integers(min_value=-(1 << 64), max_value=1 << 80), max_size=40),
+)
+def test_compiled_count_positions_says_what_bisect_says(
+    values: list[int], lower: list[int]
+) -> None:
+    bounds = BucketBounds(sorted(lower))
+    assert histogram._compiled_count_positions(values, bounds.int64) == py_count_positions(
+        values, bounds
+    )
+
+
+def test_count_positions_hands_what_is_not_int64_to_the_twin() -> None:
+    values = [5_000, 1 << 70, -3, 2.5e6]
+    assert count_positions(values, NS_BUCKETS) == py_count_positions(values, NS_BUCKETS)
+    assert count_positions(tuple(values), NS_BUCKETS) == py_count_positions(values, NS_BUCKETS)
 
 
 def test_add_group_equals_adds() -> None:
