@@ -29,12 +29,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from scry import workload
 from scry.config import ObservabilityConfig
 from scry.health import HealthMonitor
-from scry.observe.events import encode_batch, encode_parts
+from scry.observe.events import compress_payload, encode_batch, serialize_parts
 from scry.observe.pipeline import Observatory
 from scry.observe.record import ClientContext
 from scry.observe.sinks import FileSink
@@ -191,14 +192,19 @@ def bench_workload(name: str, records: list[tuple], tmp: Path) -> None:
         with_events._records.extend(records)
         t = time.process_time()
         while with_events.drain(DRAIN_CHUNK):
-            # What the shipper does: batches of events.batch_size (100), all
-            # the ready ones in one trip to the file.
-            frames = []
+            # What the shipper does: batches of events.batch_size (100)
+            # serialized here, then compressed and written in a worker thread,
+            # all the ready ones in one trip (process_time counts both threads).
+            raw = []
             while len(ring):
-                payload, flags = encode_parts(ring.take_parts(BATCH_SIZE), "gzip")
-                frames.append(_frame(payload, flags))
-            sink._write_frames(frames)
+                raw.append(serialize_parts(ring.take_parts(BATCH_SIZE)))
+            pool.submit(compress_and_write, raw).result()
         return (time.process_time() - t) / n * 1e6
+
+    def compress_and_write(raw: list[bytes]) -> None:
+        sink._write_frames([_frame(*compress_payload(payload, "gzip")) for payload in raw])
+
+    pool = ThreadPoolExecutor(1)
 
     def drain_events_only() -> float:
         with_events.ring.take_block(len(with_events.ring))
