@@ -200,33 +200,11 @@ class Observatory:
         # (5.9 µs every 0.02 s).
         while True:
             await asyncio.sleep(self.drain_interval)
-            while True:
-                # Two halves with queries let through in between (and between
-                # chunks): while the drain runs no query moves, and at 50
-                # clients PostgreSQL runs out of work in well under a chunk's
-                # millisecond.
-                batch = self._take(self.drain_chunk)
-                if not batch:
-                    break
-                summary = self._summarize_batch(batch)
-                try:
-                    await asyncio.sleep(0)
-                finally:  # even when cancelled: the chunk is out of the queue
-                    self._apply_batch(batch, summary)
-                if len(batch) < self.drain_chunk:
-                    break
-                await asyncio.sleep(0)
+            while self.drain(self.drain_chunk) == self.drain_chunk:  # noqa: ASYNC110
+                await asyncio.sleep(0)  # let queries through between chunks
 
     def drain(self, limit: int | None = None) -> int:
         """Process up to ``limit`` queued records now; returns how many."""
-        batch = self._take(limit)
-        if batch:
-            self._apply_batch(batch, self._summarize_batch(batch))
-        return len(batch)
-
-    def _take(self, limit: int | None) -> list[QueryRecord]:
-        """Up to ``limit`` records out of the queue, oldest first (dropping,
-        and counting, those beyond ``max_records`` first)."""
         records = self._records
         excess = len(records) - self._max_records
         if excess > 0:  # fell behind: the oldest go, as a bounded queue would
@@ -235,28 +213,27 @@ class Observatory:
             for _ in range(excess):
                 popleft()
         n = len(records) if limit is None else min(limit, len(records))
+        if n == 0:
+            return 0
         if n == len(records):
             batch = list(records)
             records.clear()
-            return batch
-        popleft = records.popleft
-        return [popleft() for _ in range(n)]
-
-    def _summarize_batch(self, batch: list[QueryRecord]) -> _Summary:
+        else:
+            popleft = records.popleft
+            batch = [popleft() for _ in range(n)]
         try:
-            return self._summarize(batch)
+            summary = self._summarize(batch)
         except Exception:
-            return self._summarize_carefully(batch)
-
-    def _apply_batch(self, batch: list[QueryRecord], summary: _Summary) -> None:
+            summary = self._summarize_carefully(batch)
         try:
             self._apply(summary)
         except Exception:  # a bug; never fatal
-            self.record_failures += len(batch)
-        self.records_processed += len(batch)
+            self.record_failures += n
+        self.records_processed += n
         self.hot_data.maybe_decay()
         if self._ship_events:
             self.shipper.notify()
+        return n
 
     def _summarize_carefully(self, batch: list[QueryRecord]) -> _Summary:
         """``_summarize`` after setting aside the records it fails on."""

@@ -149,38 +149,6 @@ def test_pool_provider_and_breaker_metrics() -> None:
     )
 
 
-async def test_stopping_between_the_halves_of_a_chunk_loses_no_record() -> None:
-    """The drain task lets queries through between summarizing a chunk and
-    applying it; stopped right there, it still applies the chunk it took."""
-    clocks = Clocks()
-    obs = Observatory(
-        ObservabilityConfig(anonymize_key="test"),
-        clock=clocks.clock,
-        perf_counter_ns=clocks.perf_ns,
-        drain_interval=0.001,
-        drain_chunk=10,
-    )
-    summarized = asyncio.Event()
-    summarize = obs._summarize_batch
-
-    def summarize_and_tell(batch: list[tuple]) -> object:
-        summary = summarize(batch)
-        summarized.set()
-        return summary
-
-    obs._summarize_batch = summarize_and_tell  # type: ignore[method-assign]
-    ctx = ClientContext("c1", "shop", "app", "web")
-    for i in range(35):
-        clocks.advance(0.001)
-        obs.record(_record(clocks, ctx, f"SELECT * FROM a WHERE id = {i}", 100))
-    await obs.start()
-    await summarized.wait()  # woken before the drain task resumes from its yield
-    assert obs.records_processed == 0  # the first chunk is summarized, not yet applied
-    await obs.stop()
-    assert obs.records_processed == 35
-    assert obs.stats_summary()["queries"] == 35
-
-
 async def test_events_and_tail_are_anonymized(tmp_path: Path) -> None:
     clocks = Clocks()
     path = tmp_path / "events.log"
