@@ -215,11 +215,20 @@ def tree_cpu_ticks(root: int | None) -> int | None:
     return total
 
 
-def machine_busy_ticks() -> int:
+def machine_ticks() -> tuple[int, int]:
+    """(busy ticks, steal ticks) of all CPUs, from /proc/stat; busy includes
+    steal (what "all µs" counts). Steal is time a vCPU was ready to run and
+    the host ran something else: a noisy neighbour no target's CPU shows."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
+        return cpu_line_ticks(f.readline())
+
+
+def cpu_line_ticks(line: str) -> tuple[int, int]:
+    """(busy, steal) ticks of /proc/stat's ``cpu`` line."""
+    fields = [int(x) for x in line.split()[1:]]
     # user nice system idle iowait irq softirq steal [guest guest_nice: inside user]
-    return fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
+    steal = fields[7] if len(fields) > 7 else 0
+    return fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + steal, steal
 
 
 def children_cpu_seconds() -> float:
@@ -533,6 +542,7 @@ class RunResult:
     machine_cpu_us_per_txn: float | None = None
     proxy_cpu_pct: float | None = None
     other_cpu_pct: float | None = None  # machine CPU not used by proxy, PG or pgbench
+    steal_pct: float | None = None  # host steal, % of one CPU (part of other_cpu_pct)
     elapsed_s: float = 0.0
     returncode: int | None = None
     error: str | None = None
@@ -565,10 +575,10 @@ class Bench:
         threads = min(self.args.threads, scenario.clients)
         cmd[cmd.index("-j") + 1] = str(threads)
         timeout = duration + self.args.run_timeout_slack
-        p0, g0, m0, c0 = (
+        p0, g0, (m0, s0), c0 = (
             tree_cpu_ticks(target.pid),
             tree_cpu_ticks(self.pg_pid),
-            machine_busy_ticks(),
+            machine_ticks(),
             children_cpu_seconds(),
         )
         t0 = time.monotonic()
@@ -589,10 +599,10 @@ class Bench:
             err = f"pgbench killed after {timeout}s"
             rc = None
         elapsed = time.monotonic() - t0
-        p1, g1, m1, c1 = (
+        p1, g1, (m1, s1), c1 = (
             tree_cpu_ticks(target.pid),
             tree_cpu_ticks(self.pg_pid),
-            machine_busy_ticks(),
+            machine_ticks(),
             children_cpu_seconds(),
         )
         res.elapsed_s, res.returncode = round(elapsed, 3), rc
@@ -621,6 +631,7 @@ class Bench:
             res.client_cpu_us_per_txn = round((c1 - c0) * 1e6 / txns, 2)
         ours = (p1 or 0) - (p0 or 0) + (g1 or 0) - (g0 or 0) + (c1 - c0) * CLK_TCK
         res.other_cpu_pct = round(max(0.0, 100.0 * ((m1 - m0) - ours) / CLK_TCK / elapsed), 1)
+        res.steal_pct = round(100.0 * (s1 - s0) / CLK_TCK / elapsed, 1)
         problems = []
         if rc != 0:
             problems.append(f"pgbench exit {rc}")
@@ -732,6 +743,10 @@ def summarize(
                 "other_cpu_pct": median([r.other_cpu_pct for r in runs]),
                 "other_cpu_pct_max": max(
                     (r.other_cpu_pct for r in runs if r.other_cpu_pct is not None), default=None
+                ),
+                "steal_pct": median([r.steal_pct for r in runs]),
+                "steal_pct_max": max(
+                    (r.steal_pct for r in runs if r.steal_pct is not None), default=None
                 ),
                 "pg_cpu_us_per_txn": median([r.pg_cpu_us_per_txn for r in good]),
                 "client_cpu_us_per_txn": median([r.client_cpu_us_per_txn for r in good]),
@@ -853,10 +868,18 @@ def print_report(
                 print(f"  ! {label}: {e}")
         other = [v["other_cpu_pct"] for v in per.values() if v["other_cpu_pct"] is not None]
         other_max = [v["other_cpu_pct_max"] for v in per.values() if v["other_cpu_pct_max"]]
+        steal = [v["steal_pct"] for v in per.values() if v["steal_pct"] is not None]
+        steal_max = [v["steal_pct_max"] for v in per.values() if v["steal_pct_max"]]
         if other:
             print(
                 f"  other load on the machine during these runs: median "
                 f"{statistics.median(other):.0f}% of a core, max {max(other_max, default=0):.0f}%"
+                + (
+                    f" (of which host steal: median {statistics.median(steal):.0f}%, "
+                    f"max {max(steal_max, default=0):.0f}%)"
+                    if steal
+                    else ""
+                )
             )
     print(
         "\nSummary (median tps; scry and floor targets / PgBouncer (and the median of the "
@@ -1280,7 +1303,8 @@ def main(argv: list[str] | None = None) -> int:
             "latency; conn ms: average connection time (-C only).\n"
             "µs columns: CPU time (user+sys) consumed during the run per transaction -- proxy: "
             "its process tree; PG: postmaster and backends; pgbench: the client; all: every CPU "
-            "of the machine, including anything else running. proxy CPU: % of one core."
+            "of the machine, including anything else running and host steal. proxy CPU: % of one "
+            "core."
         )
         if args.json:
             meta["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -77,3 +77,11 @@ def test_ratios_pair_runs_of_the_same_round_only() -> None:
         1.25,
         1.2,
     ]
+
+
+def test_host_steal_is_counted_busy_and_reported_apart() -> None:
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    busy, steal = bench.cpu_line_ticks("cpu  100 5 40 9000 7 3 2 250 0 0\n")
+    assert (busy, steal) == (100 + 5 + 40 + 3 + 2 + 250, 250)
+    # An old kernel's line without the steal field.
+    assert bench.cpu_line_ticks("cpu  100 5 40 9000 7 3 2") == (150, 0)
