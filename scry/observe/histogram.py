@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
@@ -34,7 +34,6 @@ __all__ = [
     "BucketBounds",
     "LogHistogram",
     "add_ns",
-    "add_sorted_ns",
     "bucket_bounds",
     "bucket_of",
     "bucket_value",
@@ -97,41 +96,6 @@ def percentiles(counts: dict[int, int], quantiles: Iterable[float]) -> list[floa
     return out
 
 
-def add_sorted_ns(
-    counts: dict[int, int], values: list[int], lower: list[int] | None = None
-) -> None:
-    """Count sorted durations in nanoseconds as ``bucket_of(ns // 1000)`` would.
-
-    Buckets are numbered 0, 1, 2, ... in the order of their lower bounds, so
-    a bucket is a bisect into ``lower`` (``_LOWER_NS`` unless given: any
-    ascending bounds, the first bucket's first, ending with a bound above
-    every value; values below the first count in bucket 0). Dense values
-    (several per bucket) are counted with two bisects per bucket hit; sparse
-    ones with one bisect each, in C (``map`` and ``count_elements``)."""
-    n = len(values)
-    if not n:
-        return
-    if lower is None:
-        lower = _LOWER_NS
-    first = bisect_right(lower, values[0])
-    span = bisect_right(lower, values[-1]) - first + 1
-    if n < 4 * span:
-        positions: dict[int, int] = {}
-        count_elements(positions, map(bisect_right, repeat(lower, n), values))
-        for position, count in positions.items():
-            bucket = position - 1 if position > 0 else 0  # negative: counted as 0
-            counts[bucket] = counts.get(bucket, 0) + count
-        return
-    i = 0
-    while i < n:
-        bucket = bisect_right(lower, values[i]) - 1
-        if bucket < 0:
-            bucket = 0
-        j = bisect_left(values, lower[bucket + 1], i)
-        counts[bucket] = counts.get(bucket, 0) + j - i
-        i = j
-
-
 class BucketBounds:
     """Ascending bucket bounds, as a list (for ``bisect``) and as int64s
     (for the compiled count). Neither change to the int64s moves an int64's
@@ -168,7 +132,11 @@ def count_positions(values: Sequence[int], bounds: BucketBounds) -> dict[int, in
 def add_ns(
     counts: dict[int, int], values: Sequence[int], bounds: BucketBounds | None = None
 ) -> None:
-    """``add_sorted_ns`` for durations in any order (nothing is sorted)."""
+    """Count durations in nanoseconds, in any order, as ``bucket_of(ns // 1000)``
+    would. Buckets are numbered 0, 1, 2, ... in the order of their lower bounds
+    (``bounds``: ``NS_BUCKETS`` unless given; any ascending bounds, the first
+    bucket's first, ending with one above every value); values below the
+    first count in bucket 0."""
     for position, count in count_positions(values, bounds or NS_BUCKETS).items():
         bucket = position - 1 if position > 0 else 0  # negative: counted as 0
         counts[bucket] = counts.get(bucket, 0) + count

@@ -16,7 +16,6 @@ from scry.observe.histogram import (
     BucketBounds,
     LogHistogram,
     add_ns,
-    add_sorted_ns,
     bucket_bounds,
     bucket_of,
     count_positions,
@@ -143,24 +142,14 @@ def test_lru_eviction_is_counted_and_totals_stay_exact() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=-5_000, max_value=(1 << 42) * 1000), max_size=300))
-def test_add_sorted_ns_counts_like_bucket_of(values: list[int]) -> None:
+def test_add_ns_counts_like_bucket_of(values: list[int]) -> None:
     counts: dict[int, int] = {}
-    add_sorted_ns(counts, sorted(values))
+    add_ns(counts, values)  # in any order
     expected: dict[int, int] = {}
     for v in values:
         b = bucket_of(min(max(v // 1000, 0), (1 << 40) - 1))
         expected[b] = expected.get(b, 0) + 1
     assert counts == expected
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(min_value=-5_000, max_value=(1 << 42) * 1000), max_size=300))
-def test_add_ns_counts_any_order_as_add_sorted_ns_counts_sorted(values: list[int]) -> None:
-    unsorted: dict[int, int] = {}
-    add_ns(unsorted, values)
-    ordered: dict[int, int] = {}
-    add_sorted_ns(ordered, sorted(values))
-    assert unsorted == ordered
 
 
 _INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
