@@ -348,6 +348,10 @@ class EventsConfig(_Model):
     url: str | None = None
     batch_size: Int = Field(100, ge=1)
     flush_interval_ms: Int = Field(1000, ge=1)
+    #: After shipping, wait up to this long for more full batches (or until
+    #: 16 batches, at most half the buffer, are waiting), so that a busy
+    #: proxy ships in few large trips; 0 ships every full batch at once.
+    linger_ms: Int = Field(100, ge=0)
     buffer_capacity: Int = Field(10000, ge=1)
     compression: Literal["gzip", "none"] = "gzip"
 

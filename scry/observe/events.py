@@ -24,10 +24,13 @@ uint32 index of a comma-joined list ("" = empty).
 
 File framing
 ------------
-Each batch is written as a 12-byte header then the payload:
-``b"SCEV"``, version (u8, 1), flags (u8: bit 0 = gzip), reserved (u16),
-payload length (u32, little-endian). ``read_events`` streams frames and stops
-quietly at a truncated last frame (a crash mid-write).
+A frame is a 12-byte header then the payload: ``b"SCEV"``, version (u8, 1),
+flags (u8: bit 0 = gzip, bit 1 = several batches), reserved (u16), payload
+length (u32, little-endian). The payload (once gunzipped) is one batch, or
+with bit 1 several, each preceded by its length (u32, little-endian): the
+file sink writes all the batches of one trip as one frame, compressed
+together. ``read_events`` streams frames and stops quietly at a truncated
+last frame (a crash mid-write).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ _ARRAY_TYPE = {"d": "d", "i": "i", "q": "q", "?": "B", "S": "I", "s": "i", "L": 
 MAGIC = b"SCEV"
 HEADER = struct.Struct("<4sBBHI")
 FLAG_GZIP = 1
+FLAG_BATCHES = 2
 _GZIP_WBITS = 16 + zlib.MAX_WBITS  # a gzip member (header, deflate, CRC-32 and size)
 
 
@@ -539,6 +543,38 @@ def frame(payload: bytes, flags: int) -> bytes:
     return HEADER.pack(MAGIC, 1, flags, 0, len(payload)) + payload
 
 
+def frame_batches(payloads: Sequence[bytes], compression: str = "gzip") -> bytes:
+    """Encoded batches as one frame, compressed together (one deflate call
+    for a whole trip: in the shipper's worker thread, each call lets go of
+    the GIL and must win it back from the event loop)."""
+    if len(payloads) == 1:
+        return frame(*compress_payload(payloads[0], compression))
+    parts: list[bytes] = []
+    for payload in payloads:
+        parts.append(_U32.pack(len(payload)))
+        parts.append(payload)
+    data, flags = compress_payload(b"".join(parts), compression)
+    return frame(data, flags | FLAG_BATCHES)
+
+
+def frame_payloads(payload: bytes, flags: int) -> list[bytes]:
+    """The batch payloads of one frame's payload, decompressed."""
+    if flags & FLAG_GZIP:
+        payload = gzip.decompress(payload)
+    if not flags & FLAG_BATCHES:
+        return [payload]
+    out = []
+    pos = 0
+    while pos < len(payload):
+        (length,) = _U32.unpack_from(payload, pos)
+        end = pos + 4 + length
+        if end > len(payload):
+            raise ValueError("a batch runs past the end of its frame")
+        out.append(payload[pos + 4 : end])
+        pos = end
+    return out
+
+
 def decode_batch(payload: bytes, flags: int = 0) -> list[dict[str, Any]]:
     """Event dicts from one batch payload."""
     if flags & FLAG_GZIP:
@@ -584,8 +620,9 @@ def read_events(path: str | Path) -> Iterator[dict[str, Any]]:
                 raise ValueError(f"{path}: not a scry events file (bad frame header)")
             payload = f.read(length)
             if len(payload) < length:
-                return  # a batch cut short by a crash: everything before it is good
-            yield from decode_batch(payload, flags)
+                return  # a frame cut short by a crash: everything before it is good
+            for batch in frame_payloads(payload, flags):
+                yield from decode_batch(batch)
 
 
 def events_read_main(path: str, out: IO[str] | None = None) -> int:

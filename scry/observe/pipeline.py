@@ -124,6 +124,7 @@ class Observatory:
             sink if sink is not None else make_sink(events),
             batch_size=events.batch_size,
             flush_interval=events.flush_interval_ms / 1000,
+            linger=events.linger_ms / 1000,
             compression=events.compression,
             on_flush=self._flushed,
         )

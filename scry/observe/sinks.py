@@ -1,18 +1,21 @@
 """Where event batches go, and the background task that ships them.
 
 ``EventShipper`` takes batches out of the ``EventRing`` (when ``batch_size``
-events are waiting or every ``flush_interval`` seconds), encodes them
-(``events.serialize_parts`` on the event loop, then ``compress_payload`` in a
-worker thread) and hands them to a sink, all the ready ones at
-once when the sink takes several (``write_many``):
+events are waiting or every ``flush_interval`` seconds; after a trip it
+lingers up to ``linger`` seconds so that a busy proxy ships in few, large
+trips), encodes them (``events.serialize_parts``, on the event loop) and
+hands them to a sink:
 
 ``NullSink``   discards (the ``none`` sink).
-``FileSink``   appends framed batches to a file, rotating by size and keeping
+``FileSink``   appends frames to a file, rotating by size and keeping
                ``keep`` old files (``events.log.1`` is the newest old one).
-``HttpSink``   POSTs each batch with httpx, retrying with exponential backoff
-               up to ``max_attempts``; a batch that still fails is dropped and
-               counted. While a sink is slow the ring keeps filling and drops
-               its oldest events: queries are never held back.
+               It takes a whole trip in one call in a worker thread: one
+               frame, compressed together, one write.
+``HttpSink``   POSTs each batch (compressed in a worker thread), retrying
+               with exponential backoff up to ``max_attempts``; a batch that
+               still fails is dropped and counted. While a sink is slow the
+               ring keeps filling and drops its oldest events: queries are
+               never held back.
 """
 
 from __future__ import annotations
@@ -27,13 +30,21 @@ from typing import Any, Protocol
 
 import httpx
 
-from scry.observe.events import FLAG_GZIP, EventRing, compress_payload, frame, serialize_parts
+from scry.observe.events import (
+    FLAG_GZIP,
+    EventRing,
+    compress_payload,
+    frame,
+    frame_batches,
+    serialize_parts,
+)
 
 
 class Sink(Protocol):
-    """Receives encoded batches. A sink may also offer ``write_many(batches)``
-    (a list of ``(payload, flags, count)``, returning one bool each): the
-    shipper then hands it every batch that is ready in one call."""
+    """Receives encoded batches. A sink may instead offer a blocking
+    ``write_batches(payloads, compression)`` (the file sink): the shipper then
+    hands it the uncompressed payloads of a whole trip in one call, made in a
+    worker thread, and counts the trip lost if it raises."""
 
     async def write(self, payload: bytes, flags: int, count: int) -> bool:
         """Deliver one batch; False when it was given up on."""
@@ -68,19 +79,13 @@ class FileSink:
         await asyncio.to_thread(self._write, frame(payload, flags))
         return True
 
-    async def write_many(self, batches: list[tuple[bytes, int, int]]) -> list[bool]:
-        """Several batches in one trip to the I/O thread (one ``write``
-        each, so rotation still cuts between whole frames)."""
-        frames = [frame(payload, flags) for payload, flags, _ in batches]
-        await asyncio.to_thread(self._write_frames, frames)
-        return [True] * len(frames)
+    def write_batches(self, payloads: list[bytes], compression: str) -> None:
+        """Several batches as one frame, compressed together (blocking: the
+        shipper calls it in a worker thread, where every call that lets go
+        of the GIL must win it back from the event loop)."""
+        self._write(frame_batches(payloads, compression))
 
-    def _write_frames(self, frames: list[bytes]) -> None:
-        for data in frames:
-            self._write(data, flush=False)
-        self._file.flush()
-
-    def _write(self, data: bytes, flush: bool = True) -> None:
+    def _write(self, data: bytes) -> None:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab")  # noqa: SIM115 - kept open across batches
@@ -88,8 +93,7 @@ class FileSink:
         if self._size and self._size + len(data) > self.max_bytes:
             self._rotate()
         self._file.write(data)
-        if flush:
-            self._file.flush()
+        self._file.flush()
         self._size += len(data)
 
     def _rotate(self) -> None:
@@ -172,9 +176,9 @@ def make_sink(events_config: Any) -> Sink:
     return NullSink()
 
 
-#: Batches encoded and handed to a sink per trip (a sink with ``write_many``
-#: takes them in one call: one thread hop and one flush for the file sink).
-MAX_BATCHES_PER_WRITE = 16
+#: Batches encoded and handed to a sink per trip (the file sink writes them
+#: as one frame).
+MAX_BATCHES_PER_TRIP = 16
 
 
 class EventShipper:
@@ -187,6 +191,7 @@ class EventShipper:
         *,
         batch_size: int = 100,
         flush_interval: float = 1.0,
+        linger: float = 0.0,
         compression: str = "gzip",
         on_flush: Callable[[int, float, bool], None] | None = None,
     ) -> None:
@@ -194,6 +199,11 @@ class EventShipper:
         self.sink = sink
         self.batch_size = batch_size
         self.flush_interval = flush_interval
+        self.linger = linger
+        # After a trip the shipper lingers until this many events wait (or
+        # ``linger`` passes): the ring must never fill while it does.
+        self._backlog = max(batch_size, min(MAX_BATCHES_PER_TRIP * batch_size, ring.capacity // 2))
+        self._wake_at = batch_size
         self.compression = compression
         self._on_flush = on_flush
         self._wake = asyncio.Event()
@@ -204,8 +214,9 @@ class EventShipper:
         self.lost = 0  # events in batches a sink gave up on
 
     def notify(self) -> None:
-        """Wake the shipper early when a full batch is waiting."""
-        if len(self.ring) >= self.batch_size:
+        """Wake the shipper early when a full batch is waiting (a full trip
+        while it lingers)."""
+        if len(self.ring) >= self._wake_at:
             self._wake.set()
 
     def start(self) -> None:
@@ -232,11 +243,7 @@ class EventShipper:
         while True:
             timed_out = False
             if len(self.ring) < self.batch_size and not self._stopping:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-                except TimeoutError:
-                    timed_out = True
+                timed_out = not await self._wait_for(self.batch_size, self.flush_interval)
             # Full batches; after the interval (or when stopping) the rest too.
             partial = timed_out or self._stopping
             while len(self.ring) >= self.batch_size or (partial and self.ring):
@@ -244,15 +251,34 @@ class EventShipper:
                 partial = partial or self._stopping
             if self._stopping and not self.ring:
                 return
+            if self.linger and not self._stopping:
+                # Let the next batches gather: a trip costs the event loop and
+                # the I/O thread a wake-up each, whether it holds one batch or 16.
+                await self._wait_for(self._backlog, self.linger)
+
+    async def _wait_for(self, events: int, timeout: float) -> bool:
+        """Wait until ``events`` events are in the ring (True), the shipper is
+        stopping (True) or ``timeout`` passes (False)."""
+        if len(self.ring) >= events or self._stopping:
+            return True
+        self._wake_at = events
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._wake_at = self.batch_size
+        return True
 
     async def flush_once(self) -> int:
         """Ship one batch now; returns how many events it held."""
         return await self._ship(True, max_batches=1)
 
-    async def _ship(self, partial: bool, max_batches: int = MAX_BATCHES_PER_WRITE) -> int:
+    async def _ship(self, partial: bool, max_batches: int = MAX_BATCHES_PER_TRIP) -> int:
         """Encode up to ``max_batches`` batches of ``batch_size`` events (the
-        last one short only if ``partial``) and deliver them, in one write
-        when the sink takes several; returns how many events they held."""
+        last one short only if ``partial``) and deliver them (in one call when
+        the sink has ``write_batches``); returns how many events they held."""
         raw: list[bytes] = []
         counts: list[int] = []
         encoding: list[float] = []
@@ -268,6 +294,19 @@ class EventShipper:
                 await asyncio.sleep(0)  # let queries through between encodings
         if not raw:
             return 0
+        counts_and_times = zip(counts, encoding, strict=True)
+        if hasattr(self.sink, "write_batches"):
+            # One trip to a worker thread: compress and write together.
+            started = time.perf_counter()
+            try:
+                await asyncio.to_thread(self.sink.write_batches, raw, self.compression)
+                ok = True
+            except Exception:  # a broken sink must not kill the pipeline
+                ok = False
+            share = (time.perf_counter() - started) / len(raw)
+            for count, encoded in counts_and_times:
+                self._shipped(count, encoded + share, ok)
+            return sum(counts)
         if self.compression == "gzip":
             # Compressed in a thread, all of a trip's batches in one hop:
             # deflate lets go of the GIL, and on the event loop's core its
@@ -276,37 +315,25 @@ class EventShipper:
             compressed = await asyncio.to_thread(_compress_all, raw, self.compression)
         else:
             compressed = [(payload, 0, 0.0) for payload in raw]
-        batches = [
-            (payload, flags, count)
-            for (payload, flags, _), count in zip(compressed, counts, strict=True)
-        ]
-        encoding = [e + took for e, (_, _, took) in zip(encoding, compressed, strict=True)]
-        write_many = getattr(self.sink, "write_many", None)
-        if write_many is not None and len(batches) > 1:
+        for (payload, flags, took), (count, encoded) in zip(
+            compressed, counts_and_times, strict=True
+        ):
             started = time.perf_counter()
             try:
-                oks = list(await write_many(batches))
-            except Exception:  # a broken sink must not kill the pipeline
-                oks = [False] * len(batches)
-            took = [time.perf_counter() - started] * len(batches)
+                ok = await self.sink.write(payload, flags, count)
+            except Exception:
+                ok = False
+            self._shipped(count, encoded + took + time.perf_counter() - started, ok)
+        return sum(counts)
+
+    def _shipped(self, count: int, seconds: float, ok: bool) -> None:
+        self.batches += 1
+        if ok:
+            self.shipped += count
         else:
-            oks, took = [], []
-            for batch in batches:
-                started = time.perf_counter()
-                try:
-                    oks.append(await self.sink.write(*batch))
-                except Exception:
-                    oks.append(False)
-                took.append(time.perf_counter() - started)
-        for (_, _, count), ok, encoded, delivered in zip(batches, oks, encoding, took, strict=True):
-            self.batches += 1
-            if ok:
-                self.shipped += count
-            else:
-                self.lost += count
-            if self._on_flush is not None:
-                self._on_flush(count, encoded + delivered, ok)
-        return sum(count for _, _, count in batches)
+            self.lost += count
+        if self._on_flush is not None:
+            self._on_flush(count, seconds, ok)
 
 
 def _compress_all(payloads: list[bytes], compression: str) -> list[tuple[bytes, int, float]]:

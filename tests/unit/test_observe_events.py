@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 from scry.observe import events as events_module
 from scry.observe.events import (
     EVENT_FIELDS,
+    FLAG_BATCHES,
+    FLAG_GZIP,
+    HEADER,
     LAYOUT,
     EventBlock,
     EventRing,
@@ -28,6 +31,8 @@ from scry.observe.events import (
     event_dict,
     events_read_main,
     frame,
+    frame_batches,
+    frame_payloads,
     make_predicate,
     read_events,
 )
@@ -84,8 +89,7 @@ async def test_file_sink_roundtrip_through_read_events(tmp_path: Path) -> None:
     for i in range(35):
         ring.push(_event(i))
     shipper.notify()
-    await asyncio.sleep(0.2)
-    await shipper.stop()
+    await shipper.stop()  # (ships what is left first)
     events = list(read_events(path))
     assert [e["queue_us"] for e in events] == list(range(35))
     assert shipper.batches == 4 and shipper.shipped == 35
@@ -418,9 +422,9 @@ class CountingFileSink(FileSink):
         super().__init__(path)
         self.calls: list[int] = []
 
-    async def write_many(self, batches: list[tuple[bytes, int, int]]) -> list[bool]:
-        self.calls.append(len(batches))
-        return await super().write_many(batches)
+    def write_batches(self, payloads: list[bytes], compression: str) -> None:
+        self.calls.append(len(payloads))
+        super().write_batches(payloads, compression)
 
 
 async def test_shipper_hands_ready_batches_over_in_one_write(tmp_path: Path) -> None:
@@ -448,5 +452,82 @@ async def test_shipper_hands_ready_batches_over_in_one_write(tmp_path: Path) -> 
     assert shipper.shipped == 95 and shipper.batches == 10
     await shipper.stop()
     assert flushed == [(10, True)] * 9 + [(5, True)]
+    # Two frames: the nine batches compressed together, then the last one.
+    data = path.read_bytes()
+    _, _, flags, _, length = HEADER.unpack_from(data)
+    assert flags == FLAG_GZIP | FLAG_BATCHES
+    assert len(frame_payloads(data[HEADER.size : HEADER.size + length], flags)) == 9
+    _, _, flags, _, _ = HEADER.unpack_from(data, HEADER.size + length)
+    assert flags == FLAG_GZIP
     events = list(read_events(path))
     assert [e["queue_us"] for e in events] == list(range(95))
+
+
+async def test_shipper_lingers_until_a_full_trip_is_waiting(tmp_path: Path) -> None:
+    sink = CountingFileSink(tmp_path / "events.log")
+    flushed = asyncio.Event()
+
+    def on_flush(count: int, seconds: float, ok: bool) -> None:
+        flushed.set()
+
+    ring = EventRing(10_000)
+    shipper = EventShipper(
+        ring, sink, batch_size=10, flush_interval=30, linger=30, on_flush=on_flush
+    )
+    assert shipper._backlog == 160  # 16 batches
+    shipper.start()
+    ring.extend(EventBlock.of_events([_event(i) for i in range(10)]))
+    shipper.notify()
+    await asyncio.wait_for(flushed.wait(), 5)
+    assert sink.calls == [1]  # the first full batch goes at once
+    flushed.clear()
+    ring.extend(EventBlock.of_events([_event(i) for i in range(10, 160)]))
+    shipper.notify()  # 15 batches: it lingers on
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(flushed.wait(), 0.2)
+    ring.extend(EventBlock.of_events([_event(i) for i in range(160, 170)]))
+    shipper.notify()  # a full trip of 16
+    await asyncio.wait_for(flushed.wait(), 5)
+    assert sink.calls == [1, 16] and shipper.shipped == 170
+    await shipper.stop()
+    assert [e["queue_us"] for e in read_events(tmp_path / "events.log")] == list(range(170))
+
+
+async def test_shipper_ships_what_gathered_when_the_linger_ends(tmp_path: Path) -> None:
+    sink = CountingFileSink(tmp_path / "events.log")
+    trips: list[int] = []
+    first, third = asyncio.Event(), asyncio.Event()
+
+    def on_flush(count: int, seconds: float, ok: bool) -> None:
+        trips.append(count)
+        (first if len(trips) == 1 else third if len(trips) == 3 else asyncio.Event()).set()
+
+    ring = EventRing(100)  # a small ring: it lingers only until half of it waits
+    shipper = EventShipper(
+        ring, sink, batch_size=10, flush_interval=30, linger=0.05, on_flush=on_flush
+    )
+    assert shipper._backlog == 50
+    shipper.start()
+    ring.extend(EventBlock.of_events([_event(i) for i in range(10)]))
+    shipper.notify()
+    await asyncio.wait_for(first.wait(), 5)
+    ring.extend(EventBlock.of_events([_event(i) for i in range(10, 30)]))
+    shipper.notify()  # two batches, below the backlog: they wait out the linger
+    await asyncio.wait_for(third.wait(), 5)
+    assert sink.calls == [1, 2] and trips == [10, 10, 10] and ring.dropped == 0
+    await shipper.stop()
+
+
+@pytest.mark.parametrize("compression", ["gzip", "none"])
+def test_frame_batches_roundtrip_and_bad_lengths(compression: str) -> None:
+    payloads = [encode_batch([_event(i) for i in range(n)], "none")[0] for n in (1, 3, 2)]
+    data = frame_batches(payloads, compression)
+    _, _, flags, _, length = HEADER.unpack_from(data)
+    assert flags & FLAG_BATCHES and len(data) == HEADER.size + length
+    assert frame_payloads(data[HEADER.size :], flags) == payloads
+    single = frame_batches(payloads[:1], compression)
+    assert not HEADER.unpack_from(single)[2] & FLAG_BATCHES
+    assert frame_payloads(single[HEADER.size :], HEADER.unpack_from(single)[2]) == payloads[:1]
+    packed = b"".join(len(p).to_bytes(4, "little") + p for p in payloads)
+    with pytest.raises(ValueError, match="past the end"):
+        frame_payloads(packed[:-1], FLAG_BATCHES)
