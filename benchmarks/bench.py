@@ -1073,7 +1073,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plain", action="store_true", help="plain-text tables even if rich is installed"
     )
+    p.add_argument(
+        "--hold",
+        action="store_true",
+        help="start PostgreSQL and the targets, print how to reach them, and wait for "
+        "Ctrl-C or SIGTERM instead of running pgbench (for profilers: perf, py-spy, strace)",
+    )
     return p
+
+
+def hold(targets: list[Target], pg_port: int) -> None:
+    """--hold: keep everything running until interrupted (the caller cleans up)."""
+    env = " ".join(f"{k}={v}" for k, v in client_env().items() if k.startswith("PG"))
+    print(f"PostgreSQL {HOST}:{pg_port}, database {DBNAME}, user {USER} (password {PASSWORD})")
+    for t in targets:
+        if t.broken is None:
+            print(
+                f"{t.label}: pid {t.pid or '-'}: "
+                f"{env} pgbench -h {HOST} -p {t.port} -U {USER} -S -M simple -c 10 -T 10 {DBNAME}"
+            )
+    print("holding; Ctrl-C or SIGTERM stops everything", flush=True)
+    try:
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1214,6 +1238,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"!! {exc}")
                 continue
             log(f"  {t.label:<12} {HOST}:{t.port}  pid {t.pid or '-'}  {t.description}")
+        if args.hold:
+            hold(targets, pg.port)
+            return 0
         bench = Bench(args, pg, pgbench)
 
         meta = {

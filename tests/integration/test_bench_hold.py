@@ -1,0 +1,74 @@
+"""benchmarks/bench.py --hold: everything up for a profiler, then gone on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
+    """stdout up to the line holding ``marker`` (the bench's own start-up takes seconds)."""
+    assert proc.stdout is not None
+    out: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(deadline - time.monotonic()):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if marker in line:
+                return "".join(out)
+    raise AssertionError(f"no {marker!r} within {timeout}s; output:\n{''.join(out)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_hold_serves_until_sigterm_then_cleans_up() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH), "--targets", "scry", "--scale", "1", "--hold", "--plain"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out = _read_until(proc, "holding;", timeout=120)
+        found = re.search(r"^scry: pid (\d+): .* -p (\d+) ", out, re.M)
+        assert found, out
+        pid, port = int(found[1]), int(found[2])
+        with psycopg.connect(
+            host="127.0.0.1", port=port, user="app", password="app_pass", dbname="app"
+        ) as conn:
+            assert conn.execute("select count(*) from pgbench_branches").fetchone() == (1,)
+        pg_port = int(re.search(r"^PostgreSQL 127\.0\.0\.1:(\d+),", out, re.M)[1])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not _alive(pid)
+    for stopped in (port, pg_port):  # scry and PostgreSQL both
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", stopped), timeout=2).close()
