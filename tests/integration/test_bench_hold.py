@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
-import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,21 +20,22 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
 
 
 def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
-    """stdout up to the line holding ``marker`` (the bench's own start-up takes seconds)."""
+    """stdout up to the line holding ``marker`` (the bench's own start-up takes
+    seconds). A thread reads, so that lines already in the pipe's text buffer
+    are never left waiting behind a select() on the empty file descriptor."""
     assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     out: list[str] = []
     deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(deadline - time.monotonic()):
-                break
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            if marker in line:
-                return "".join(out)
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        out.append(line)
+        if marker in line:
+            return "".join(out)
     raise AssertionError(f"no {marker!r} within {timeout}s; output:\n{''.join(out)}")
 
 
