@@ -34,9 +34,10 @@ from logging import INFO as _INFO
 
 import scry.protocol.auth as _auth
 from scry.breaker import CLOSED as BREAKER_CLOSED
-from scry.hybrid import TransactionTracker
+from scry.hybrid import SessionTracker, TransactionTracker
 from scry.log import logger as _logger  # (_logger.isEnabledFor: logging_info, a frame less)
 from scry.observe.record import ClientContext
+from scry.protocol.classify import STATELESS_FIRST_WORDS
 from scry.relay_core import (
     AUTH, CLOSED, LOGIN, MAX_QUEUED_BYTES, READY, S_ACTIVE, S_CLOSED, S_IDLE, STARTUP
 )
@@ -106,6 +107,73 @@ cdef bint _may_reset_server(const unsigned char* p, Py_ssize_t n) noexcept nogil
     return False
 
 
+cdef inline unsigned char _lower(unsigned char c) noexcept nogil:
+    return c + 32 if 65 <= c <= 90 else c  # ASCII only, as str.lower() leaves these words
+
+
+cdef inline bint _word_at(const unsigned char* p, const char* word, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if _lower(p[i]) != <unsigned char>word[i]:
+            return False
+    return True
+
+
+cdef bint _stateless_fast(const unsigned char* p, Py_ssize_t n) except -1:
+    """classify._fast_str's common case on a Query body: the first word is a
+    safe keyword followed by a space, none of its danger words occur, and
+    nothing but white space follows a ";". True only when _fast_str says
+    stateless too; False means "don't know" (SessionTracker.on_query decides).
+    Non-ASCII bytes never match: str.lower() makes no ASCII letter out of
+    them that could complete one of these words."""
+    cdef unsigned char head[10]
+    cdef Py_ssize_t i = 0
+    cdef unsigned char c
+    while i < n and i < 10:
+        c = _lower(p[i])
+        if c < 97 or c > 122:
+            break
+        head[i] = c
+        i += 1
+    if i == 0 or i == 10 or i == n or p[i] != 32:
+        return False
+    into_ok = STATELESS_FIRST_WORDS.get(PyBytes_FromStringAndSize(<char*>head, i))
+    if into_ok is None:
+        return False
+    cdef bint into_counts = not into_ok
+    cdef Py_ssize_t left, j
+    for i in range(n):
+        c = _lower(p[i])
+        left = n - i
+        if c == 59:  # ';': only white space (or the body's NUL) may follow
+            for j in range(i + 1, n):
+                c = p[j]
+                if c != 32 and c != 0 and not (9 <= c <= 13):  # (\t \n \v \f \r)
+                    return False
+            return True
+        if c == 97:
+            if left >= 8 and _word_at(p + i, b"advisory", 8):
+                return False
+        elif c == 115:
+            if left >= 10 and _word_at(p + i, b"set_config", 10):
+                return False
+        elif c == 112:
+            if left >= 11 and _word_at(p + i, b"pg_settings", 11):
+                return False
+        elif c == 117:
+            if left >= 2 and p[i + 1] == 38:  # u&
+                return False
+        elif c == 105:
+            if into_counts and left >= 4 and _word_at(p + i, b"into", 4):
+                return False
+    return True
+
+
+def stateless_text(bytes body) -> bool:
+    """_stateless_fast of a Query body (for the tests)."""
+    return _stateless_fast(<const unsigned char*>PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body))
+
+
 cdef class PoolStats:
     """PgBouncer's per-pool traffic counters (SHOW STATS), bumped on the hot path
     (the compiled twin of scry.relay_core.PyPoolStats)."""
@@ -141,17 +209,33 @@ cdef class ServerCore
 
 
 cdef object _acquire_fast(pool):
-    """Pool.acquire_nowait, its commonest case inline: the most recently used
-    idle server, used recently enough to need no server_check_query."""
+    """Pool.acquire_nowait, its commonest cases inline: the most recently used
+    idle server, used recently enough to need no server_check_query; with
+    none idle, the server of the longest-parked client (Pool._take_parked)."""
+    if pool.paused:
+        return None
     idle = pool.idle
-    if idle and not pool.paused:
+    if idle:
         server = idle.pop()
         if isinstance(server, ServerCore) and (<ServerCore>server).state is S_IDLE:
             delay = pool.proxy.config.timeouts.server_check_delay
             if not delay or pool.proxy.clock - server.last_used <= delay:
                 return server
         idle.append(server)  # (not that simple: the pool decides)
-    return pool.acquire_nowait()
+        return pool.acquire_nowait()
+    parked = pool.parked
+    while parked:
+        client = next(iter(parked))
+        if not isinstance(client, ClientCore):
+            return pool.acquire_nowait()
+        del parked[client]
+        (<ClientCore>client).parked = False
+        server = (<ClientCore>client)._detach_idle_fast()
+        if server is not None:
+            if len(pool.servers) + pool.connecting < pool.settings.size:  # (not pool.full)
+                pool._spawn()  # room to grow: the parked client will want one back
+            return server
+    return None
 
 
 cdef class ClientCore:
@@ -220,7 +304,14 @@ cdef class ClientCore:
         tracker = self.tracker
         body = None
         if tracker is not None:
-            if type(tracker) is not TransactionTracker or _may_reset_server(p + 5, n - 5):
+            # (A text on_query would find nothing in is not shown to it.)
+            if type(tracker) is TransactionTracker:
+                ask = _may_reset_server(p + 5, n - 5)
+            elif type(tracker) is SessionTracker:
+                ask = not _stateless_fast(p + 5, n - 5)
+            else:
+                ask = True
+            if ask:
                 body = chunk[5:]
                 tracker.on_query(body, self.ordinal)
         cdef long long now = _now_ns()
@@ -442,6 +533,26 @@ cdef class ClientCore:
             self._paused_waiting = False
             self._update_reading()
         return True
+
+    cdef object _detach_idle_fast(self):
+        """ClientConnection.detach_idle_server."""
+        cdef ServerCore server = self.server
+        if (
+            server is None
+            or self.state is not READY
+            or server.cancels_pending
+            or server.desynced
+            or server.state is S_CLOSED
+            or not server._settled_fast()
+            or not self._at_boundary_fast()
+        ):
+            return None
+        tracker = self.tracker
+        if tracker is not None and tracker.pinned:
+            return None
+        self.server = None
+        server._unlink_fast()
+        return server
 
     cdef void _unpark_fast(self) except *:
         """ClientConnection._unpark: a parked client starts a new transaction."""
@@ -675,14 +786,18 @@ cdef class ServerCore:
         if self.applied is not wanted:
             self._apply_settings(wanted)
 
-    cdef void _hand_over(self, pool) except *:
-        """ServerConnection.unlink, then Pool.release: the commonest case (a
-        clean server straight to the oldest waiting client) inline."""
+    cdef void _unlink_fast(self) except *:
+        """ServerConnection.unlink."""
         self.client = None
         self.state = S_IDLE
         if self.paused_by_client:
             self.paused_by_client = False
             self.transport.resume_reading()
+
+    cdef void _hand_over(self, pool) except *:
+        """ServerConnection.unlink, then Pool.release: the commonest case (a
+        clean server straight to the oldest waiting client) inline."""
+        self._unlink_fast()
         # (Clean: nothing owed, idle, at a boundary; _ready_fast is only called so.)
         if self.cancels_pending or self.desynced or self.retire or pool.stale:
             pool.release(self)

@@ -102,6 +102,9 @@ _FAST_STR = re.compile(_LEAD + _SAFE_KEYWORDS + r"(?![\w$])")
 # The common layout "keyword ..." (or a bare keyword) is looked up without the
 # regex: first word -> may the text contain "into"?
 _FIRST_WORD = {word: word in _INTO_OK for word in _SAFE_WORDS}
+# The same, for scry/_relay.pyx's copy of _fast_str's common case (its bytes-level
+# twin, held to the same answers by tests/unit/test_classify.py).
+STATELESS_FIRST_WORDS = {word.encode(): into_ok for word, into_ok in _FIRST_WORD.items()}
 _HEAD = 10  # longer than the longest keyword, so a head equal to a keyword is the keyword
 # A Query body's terminating NUL may be left on the text.
 _PG_SPACE_OR_NUL = " \t\n\r\f\v\x00"

@@ -373,3 +373,53 @@ def test_fast_path_is_never_fooled_by_leading_comments(lead: list[str], body: li
     sql = "".join(lead) + " ".join(body)
     if is_stateless_fast(sql):
         assert _classify_cached(sql) == (), sql
+
+
+# --- the compiled relay's twin of the fast path (scry/_relay.pyx) -------------
+
+try:
+    from scry._relay import stateless_text
+except ImportError:  # the extension was not built: the relay calls classify itself
+    stateless_text = None
+compiled = pytest.mark.skipif(stateless_text is None, reason="the extension was not built")
+# Bytes that could fool a bytes-level scan: case, non-ASCII letters whose
+# lower() is ASCII-like, NUL, and the white space that may follow a ";".
+BYTE_PIECES = [*FRAGMENTS, "İNTO", "ſet_config", "Ａdvisory", "select", "SELECT ", "\x00", "\t",
+               "\x0b", "\x0c", "; ", ";\x00", "u", "&", "é", "insert", "merge into t"]  # fmt: skip
+
+
+@compiled
+@FUZZ
+@given(st.lists(st.sampled_from(BYTE_PIECES), min_size=1, max_size=12), st.booleans())
+def test_compiled_fast_path_is_never_more_sure_than_the_python_one(
+    parts: list[str], spaced: bool
+) -> None:
+    body = (" " if spaced else "").join(parts).encode() + b"\x00"  # as a Query body
+    if stateless_text(body):
+        assert is_stateless_fast(body.decode()), body
+
+
+@compiled
+@FUZZ
+@given(
+    template=st.sampled_from(SAFE_TEMPLATES),
+    literals=st.lists(LITERALS, min_size=2, max_size=2),
+    semicolon=st.sampled_from(["", ";", " ;", ";\n", "; "]),
+)
+def test_compiled_fast_path_takes_plain_dml(
+    template: str, literals: list[str], semicolon: str
+) -> None:
+    assume(not any(word in "".join(literals).lower() for word in RISKY_WORDS))
+    body = (template.format(*literals) + semicolon).encode() + b"\x00"
+    assert stateless_text(body), body
+
+
+@compiled
+@pytest.mark.parametrize(
+    "sql",
+    ["SET x = 1", "SELECT pg_advisory_lock(1)", "SELECT 1 INTO TEMP t", "SELECT 1; SET x = 1",
+     'SELECT U&"x"', "SELECT set_config('a', 'b', false)", "selectx 1", "",
+     "UPDATE pg_settings SET setting = '1'", "INSERT INTO t SELECT 1; SELECT 1 INTO u"],
+)  # fmt: skip
+def test_compiled_fast_path_leaves_the_rest_to_python(sql: str) -> None:
+    assert not stateless_text(sql.encode() + b"\x00")

@@ -323,3 +323,42 @@ def test_the_fast_paths_serve_plain_transactions(
     assert (client.ordinal, client.answered, server.pending) == (100, 100, 0)
     assert client.parked and rig.pool.stats.xact_count == 100
     assert [r[6] for r in rig.records] == [b"SELECT 2\x00"] * 100
+
+
+def test_stateless_queries_skip_the_session_tracker(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Observability off: the relay classifies only what may change session state."""
+    rig = Rig("transaction", observe=False, fast=True)
+    asked: list[bytes] = []
+    monkeypatch.setattr(SessionTracker, "on_query", lambda self, body, n: asked.append(body))
+    client = rig.clients[0]
+    assert type(client.tracker) is SessionTracker
+    for n in range(20):
+        client.data_received(m.query(f"SELECT abalance FROM pgbench_accounts WHERE aid = {n};"))
+        client.server.data_received(ROWS + m.command_complete("SELECT 2") + rfq("I"))
+    assert asked == []
+    client.data_received(m.query("SET search_path = app"))
+    assert asked == [b"SET search_path = app\x00"]
+
+
+def test_a_parked_server_is_taken_without_python(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no idle server, the next client takes the longest-parked client's."""
+    rig = Rig("transaction", observe=True, fast=True)
+    python: list[str] = []
+    monkeypatch.setattr(type(rig.pool), "acquire_nowait", lambda pool: python.append("acquire"))
+    first, second, third = rig.clients
+    for _ in range(2):  # parks from its second transaction on, while a server is spare
+        first.data_received(m.query("SELECT 1"))
+        first.server.data_received(ROWS + m.command_complete("SELECT 2") + rfq("I"))
+    kept = first.server
+    assert first.parked and list(rig.pool.parked) == [first]
+    second.data_received(m.query("BEGIN"))  # takes the idle server and keeps it
+    second.server.data_received(m.command_complete("BEGIN") + rfq("T"))
+    assert not rig.pool.idle
+    third.data_received(m.query("SELECT 2"))
+    assert third.server is kept and first.server is None and not first.parked
+    assert not rig.pool.parked and python == []
+    assert kept.transport.data.endswith(m.query("SELECT 2"))
