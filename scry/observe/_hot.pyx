@@ -12,6 +12,10 @@ hashing (blake3's own calls) is all that is left of it here.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void* op)
+
+
 cdef inline unsigned int _u32(const unsigned char* p) noexcept nogil:
     return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
 
@@ -24,6 +28,7 @@ def count_digests(dict counts, hasher, long long[::1] cells, Py_ssize_t width, l
     reset, update, finish = hasher.reset, hasher.update, hasher.digest
     cdef list candidates = []
     cdef bytes digest
+    cdef tuple candidate
     cdef const unsigned char* p
     cdef Py_ssize_t a, b, c, d
     cdef long long count, estimate, cell
@@ -56,5 +61,9 @@ def count_digests(dict counts, hasher, long long[::1] cells, Py_ssize_t width, l
         if cell < estimate:
             estimate = cell
         if estimate > floor:
-            candidates.append((digest, key, estimate))
+            # (bytes, bytes, int: never in a cycle; a chunk's worth alive at
+            # once would otherwise be walked by any collection they set off)
+            candidate = (digest, key, estimate)
+            PyObject_GC_UnTrack(<void*>candidate)
+            candidates.append(candidate)
     return candidates

@@ -17,6 +17,7 @@ observability records.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -323,6 +324,25 @@ def test_the_fast_paths_serve_plain_transactions(
     assert (client.ordinal, client.answered, server.pending) == (100, 100, 0)
     assert client.parked and rig.pool.stats.xact_count == 100
     assert [r[6] for r in rig.records] == [b"SELECT 2\x00"] * 100
+
+
+def test_records_stay_out_of_the_cycle_collector(loop: asyncio.AbstractEventLoop) -> None:
+    """Records and inflight entries are untracked, share equal times and tags."""
+    rig = Rig("transaction", observe=True, fast=True)
+    client = rig.clients[0]
+    for n in range(3):
+        client.data_received(m.query(f"SELECT {n}"))
+        assert not gc.is_tracked(client.inflight[0])
+        client.server.data_received(ROWS + m.command_complete("SELECT 2") + rfq("I"))
+    client.data_received(m.query("SELECT 3"))
+    client.server.data_received(m.command_complete("SELECT 12") + rfq("I"))
+    records = rig.records
+    assert [r[6] for r in records] == [b"SELECT 2\x00"] * 3 + [b"SELECT 12\x00"]
+    assert records[0][6] is records[1][6] is records[2][6]
+    assert not any(gc.is_tracked(r) for r in records)
+    assert all(r[3] is r[4] for r in records)
+    # Linked before its first query: acquired when the query arrived.
+    assert records[1][2] is records[1][3]
 
 
 def test_stateless_queries_skip_the_session_tracker(
