@@ -87,6 +87,16 @@ def test_a_tag_not_yet_known_goes_through_the_mappings_missing() -> None:
         assert group_columns([rec, rec], rows)[8] == 8 and rows == {b"ABCD": 4}
 
 
+@pytest.mark.parametrize("time", [2.5, -0.5, True, 2**40 + 0.5])
+def test_a_time_that_is_not_an_exact_int_is_read_as_the_twin_reads_it(time: Any) -> None:
+    """Floats are not truncated (the twin does the arithmetic); a bool is its int."""
+    rec = (CONTEXTS[0], b"x", 10, time, time, 2**40 + 3, b"BEGIN\x00", None, None)
+    tag_rows = {b"BEGIN\x00": 0}
+    assert _same(
+        columns.group_columns([rec, rec], tag_rows), columns.py_group_columns([rec, rec], tag_rows)
+    )
+
+
 @pytest.mark.parametrize("bad", [("not", "a", "record"), ("ctx", b"x", 0, 0, 0, 0, 0, None, None)])
 def test_a_record_that_is_not_one_is_refused_by_both(bad: tuple) -> None:
     for walk in (columns._compiled_group_columns, columns.py_group_columns):
