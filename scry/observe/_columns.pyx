@@ -29,6 +29,27 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcpy
 
 
+cdef extern from *:
+    # GCC's and Clang's checked arithmetic: an int64 that would wrap sends
+    # the call to the Python twin (OverflowError), which has no bound.
+    bint __builtin_saddll_overflow(long long a, long long b, long long* out) nogil
+    bint __builtin_ssubll_overflow(long long a, long long b, long long* out) nogil
+
+
+cdef inline long long _sub(long long a, long long b) except? -1:
+    cdef long long out
+    if __builtin_ssubll_overflow(a, b, &out):
+        raise OverflowError("a duration beyond 64 bits")
+    return out
+
+
+cdef inline long long _add(long long a, long long b) except? -1:
+    cdef long long out
+    if __builtin_saddll_overflow(a, b, &out):
+        raise OverflowError("a sum beyond 64 bits")
+    return out
+
+
 cdef extern from "Python.h":
     # What hash() of a bytes object is (the process's keyed SipHash).
     Py_hash_t _Py_HashBytes(const void* src, Py_ssize_t length)
@@ -114,31 +135,50 @@ cdef tuple _group_columns(list recs, tag_rows):
     cdef list acquires = PyList_New(n)
     cdef list sqlstates = PyList_New(n)
     cdef list pins = PyList_New(n)
-    cdef long long received, acquired, sent, done
+    cdef long long received, acquired, sent, done, total, queue, backend
     cdef long long first_done = 0, min_done = 0, max_done = 0
+    cdef long long total_sum = 0, shortest = 0, longest = 0, queue_sum = 0, backend_sum = 0
     cdef Py_ssize_t errors = 0
-    cdef bint any_acquire = False, any_pin = False
+    cdef bint any_acquire = False, any_pin = False, one_database = True
     cdef tuple rec
     rows = 0
+    first_database = None
     for i in range(n):
         rec = _record(recs[i])
-        _set(databases, i, _item(_context(rec), 1))
+        database = _item(_context(rec), 1)
+        _set(databases, i, database)
+        if i == 0:
+            first_database = database
+        elif one_database and database is not first_database:
+            one_database = database == first_database
         received = _int64(_item(rec, 2))
         acquired = _int64(_item(rec, 3))
         sent = _int64(_item(rec, 4))
         done = _int64(_item(rec, 5))
-        _set(totals, i, done - received)
-        _set(queues, i, acquired - received)
-        _set(backends, i, done - sent)
-        _set(acquires, i, sent - acquired)
+        total = _sub(done, received)
+        queue = _sub(acquired, received)
+        backend = _sub(done, sent)
+        _set(totals, i, total)
+        _set(queues, i, queue)
+        _set(backends, i, backend)
+        _set(acquires, i, _sub(sent, acquired))
+        total_sum = _add(total_sum, total)
+        queue_sum = _add(queue_sum, queue)
+        backend_sum = _add(backend_sum, backend)
         if sent != acquired:
             any_acquire = True
         if i == 0:
             first_done = min_done = max_done = done
-        elif done < min_done:
-            min_done = done
-        elif done > max_done:
-            max_done = done
+            shortest = longest = total
+        else:
+            if done < min_done:
+                min_done = done
+            elif done > max_done:
+                max_done = done
+            if total < shortest:
+                shortest = total
+            elif total > longest:
+                longest = total
         rows += _rows(tag_rows, _item(rec, 6))
         sqlstate = _item(rec, 7)
         _set(sqlstates, i, sqlstate)
@@ -161,6 +201,12 @@ cdef tuple _group_columns(list recs, tag_rows):
         first_done,
         min_done,
         max_done,
+        total_sum,
+        shortest,
+        longest,
+        queue_sum,
+        backend_sum,
+        one_database,
     )
 
 
@@ -208,10 +254,10 @@ cdef list _event_columns(list batch, tag_rows, double wall_offset):
         _set(databases, i, _item(ctx, 1))
         _set(users, i, _item(ctx, 2))
         _set(applications, i, _item(ctx, 3))
-        queue_us.data.as_longlongs[i] = _floor_us(acquired - received)
-        acquire_us.data.as_longlongs[i] = _floor_us(sent - acquired)
-        backend_us.data.as_longlongs[i] = _floor_us(done - sent)
-        total_us.data.as_longlongs[i] = _floor_us(done - received)
+        queue_us.data.as_longlongs[i] = _floor_us(_sub(acquired, received))
+        acquire_us.data.as_longlongs[i] = _floor_us(_sub(sent, acquired))
+        backend_us.data.as_longlongs[i] = _floor_us(_sub(done, sent))
+        total_us.data.as_longlongs[i] = _floor_us(_sub(done, received))
         rows.data.as_longlongs[i] = _rows(tag_rows, _item(rec, 6))
         _set(sqlstates, i, _item(rec, 7))
         pin = _item(rec, 8)

@@ -30,22 +30,30 @@ _CONTEXT_FIELDS = tuple(map(itemgetter, range(5)))
 
 def py_group_columns(recs: list[QueryRecord], tag_rows: Mapping[Any, int]) -> tuple[Any, ...]:
     """``(databases, totals, queues, backends, acquires, sqlstates, pins,
-    errors, rows, first_done, min_done, max_done)`` of a non-empty group.
+    errors, rows, first_done, min_done, max_done, total_sum, shortest,
+    longest, queue_sum, backend_sum, one_database)`` of a non-empty group.
 
     Durations are in ns, one per record: total = done - received, queue =
     acquired - received, backend = done - sent, acquire = sent - acquired
     (``acquires`` is None when every one is 0). ``pins`` is None when no
-    record was pinned; ``rows`` adds up ``tag_rows[tag]``.
+    record was pinned; ``rows`` adds up ``tag_rows[tag]``. The sums, the
+    shortest and longest total and whether every record names the first
+    record's database come with the columns: the drain would otherwise walk
+    each list again (cold, live: each walk touches every int once more).
     """
     contexts, _, received, acquired, sent, done, tags, sqlstates, pins = [
         list(map(field, recs)) for field in _FIELDS
     ]  # (not zip(*recs): an iterator per record, enough to set off the collector)
     n = len(recs)
+    databases = [context[1] for context in contexts]
+    totals = list(map(sub, done, received))
+    queues = list(map(sub, acquired, received))
+    backends = list(map(sub, done, sent))
     return (
-        [context[1] for context in contexts],
-        list(map(sub, done, received)),
-        list(map(sub, acquired, received)),
-        list(map(sub, done, sent)),
+        databases,
+        totals,
+        queues,
+        backends,
         None if sent == acquired else list(map(sub, sent, acquired)),
         sqlstates,
         None if pins.count(None) == n else pins,
@@ -54,6 +62,12 @@ def py_group_columns(recs: list[QueryRecord], tag_rows: Mapping[Any, int]) -> tu
         done[0],
         min(done),
         max(done),
+        sum(totals),
+        min(totals),
+        max(totals),
+        sum(queues),
+        sum(backends),
+        databases.count(databases[0]) == n,
     )
 
 

@@ -306,7 +306,8 @@ class Observatory:
     def _summarize_group(self, summary: _Summary, shape: Shape, recs: list[QueryRecord]) -> None:
         n = len(recs)
         (databases, totals, queues, backends, acquires, sqlstates, pins, errors, rows,
-         first_done, min_done, max_done) = group_columns(recs, self._tag_rows)  # fmt: skip
+         first_done, min_done, max_done, total_sum, shortest, longest, queue_sum, backend_sum,
+         one_database) = group_columns(recs, self._tag_rows)  # fmt: skip
         offset = self._wall_offset
         last = max_done / 1e9 + offset
         slot_seconds = self.stats.slot_seconds
@@ -321,8 +322,6 @@ class Observatory:
         # Nothing is sorted: the histograms count a chunk's durations in
         # any order (histogram.count_positions), and sorting them was most
         # of what counting them cost.
-        total_sum = sum(totals)
-        shortest, longest = min(totals), max(totals)
         if shortest < 0 or longest > _MAX_NS:  # clamped, as StatsTable.add does
             clamped = [min(max(t // 1000, 0), _MAX_US) for t in totals]
             total_us, min_us, max_us = sum(clamped), min(clamped), max(clamped)
@@ -330,8 +329,6 @@ class Observatory:
             total_us, min_us, max_us = total_sum // 1000, shortest // 1000, longest // 1000
         hist: dict[int, int] = {}
         add_ns(hist, totals)
-        queue_sum = sum(queues)
-        backend_sum = sum(backends)
         summary.groups.append(
             (shape, n, errors, rows, total_us, queue_sum // 1000, backend_sum // 1000,
              min_us, max_us, hist, first_done / 1e9 + offset, last)
@@ -350,7 +347,6 @@ class Observatory:
                         pinned[reason] = pinned.get(reason, 0) + 1
         by_database = summary.by_database
         database = databases[0]
-        one_database = databases.count(database) == n
         if one_database:
             entry = by_database.get(database)
             if entry is None:  # a copy: later groups extend it

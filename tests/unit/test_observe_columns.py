@@ -97,6 +97,22 @@ def test_a_time_that_is_not_an_exact_int_is_read_as_the_twin_reads_it(time: Any)
     )
 
 
+def test_durations_beyond_64_bits_are_the_twins_to_work_out() -> None:
+    """Times at the ends of int64, whose differences and sums would wrap in C."""
+    low, high = -(2**63), 2**63 - 1
+    recs = [
+        (CONTEXTS[0], b"x", low, low, high, high, b"BEGIN\x00", None, None),
+        (CONTEXTS[1], b"x", 0, high, high, high, b"BEGIN\x00", None, None),
+    ]
+    tag_rows = {b"BEGIN\x00": 0}
+    got = columns.group_columns(recs, tag_rows)
+    assert _same(got, columns.py_group_columns(recs, tag_rows))
+    assert got[1] == [2**64 - 1, high] and got[12] == 2**64 - 1 + high
+    assert _same(
+        columns.event_columns(recs, tag_rows, 0.0), columns.py_event_columns(recs, tag_rows, 0.0)
+    )
+
+
 @pytest.mark.parametrize("bad", [("not", "a", "record"), ("ctx", b"x", 0, 0, 0, 0, 0, None, None)])
 def test_a_record_that_is_not_one_is_refused_by_both(bad: tuple) -> None:
     for walk in (columns._compiled_group_columns, columns.py_group_columns):
