@@ -102,28 +102,6 @@ cdef enum:
     REC_SYNC = 2
 
 
-cdef inline bint _ieq(const unsigned char* p, const char* word, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        if (p[i] | 0x20) != <unsigned char>word[i]:
-            return False
-    return True
-
-
-cdef bint _may_reset_server(const unsigned char* p, Py_ssize_t n) noexcept nogil:
-    """Whether the text holds 'discard' or 'deallocate' in any letter case: what
-    TransactionTracker.on_query's regex looks for (ASCII case folding, as re's
-    bytes patterns)."""
-    cdef Py_ssize_t i
-    for i in range(n):
-        if (p[i] | 0x20) == 100:  # 'd'
-            if n - i >= 7 and _ieq(p + i, b"discard", 7):
-                return True
-            if n - i >= 10 and _ieq(p + i, b"deallocate", 10):
-                return True
-    return False
-
-
 cdef inline unsigned char _lower(unsigned char c) noexcept nogil:
     return c + 32 if 65 <= c <= 90 else c  # ASCII only, as str.lower() leaves these words
 
@@ -134,6 +112,20 @@ cdef inline bint _word_at(const unsigned char* p, const char* word, Py_ssize_t n
         if _lower(p[i]) != <unsigned char>word[i]:
             return False
     return True
+
+
+cdef bint _may_reset_server(const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    """Whether the text holds 'discard' or 'deallocate' in any letter case: what
+    TransactionTracker.on_query's regex looks for (ASCII case folding, as re's
+    bytes patterns)."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if _lower(p[i]) == 100:  # 'd'
+            if n - i >= 7 and _word_at(p + i, b"discard", 7):
+                return True
+            if n - i >= 10 and _word_at(p + i, b"deallocate", 10):
+                return True
+    return False
 
 
 cdef bint _stateless_fast(const unsigned char* p, Py_ssize_t n) except -1:

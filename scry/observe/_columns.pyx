@@ -147,10 +147,6 @@ cdef tuple _group_columns(list recs, tag_rows):
         rec = _record(recs[i])
         database = _item(_context(rec), 1)
         _set(databases, i, database)
-        if i == 0:
-            first_database = database
-        elif one_database and database is not first_database:
-            one_database = database == first_database
         received = _int64(_item(rec, 2))
         acquired = _int64(_item(rec, 3))
         sent = _int64(_item(rec, 4))
@@ -170,7 +166,10 @@ cdef tuple _group_columns(list recs, tag_rows):
         if i == 0:
             first_done = min_done = max_done = done
             shortest = longest = total
+            first_database = database
         else:
+            if one_database and database is not first_database:
+                one_database = database == first_database
             if done < min_done:
                 min_done = done
             elif done > max_done:
