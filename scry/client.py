@@ -135,7 +135,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
 
     # --- asyncio callbacks -----------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def _connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         # client_login_timeout is enforced by the proxy's janitor: no timer per connection.
         self.proxy.on_client_connected(self)
@@ -162,14 +162,16 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             assert self._reader is not None
             self._reader.feed(data)  # pipelined before ReadyForQuery; relayed later
 
-    if not COMPILED:
-        data_received = _data_received
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _connection_lost(self, exc: Exception | None) -> None:
         if self.state is not CLOSED:
             self._cleanup(
                 "client disconnected" if exc is None else f"client connection lost: {exc}"
             )
+
+    if not COMPILED:  # else the compiled ClientCore's, which call these when they must
+        data_received = _data_received
+        connection_made = _connection_made
+        connection_lost = _connection_lost
 
     def refuse_transaction_block(self) -> None:
         """Statement pooling: a transaction block was opened, which it cannot serve."""

@@ -333,6 +333,10 @@ class ClientLogin:
         plan.md5_inner = auth.md5_inner() if auth.method == "md5" else None
         plan.transaction_pooling = self.transaction_pooling
         plan.statement_pooling = self.statement_pooling
+        # The tracker _new_tracker made, to make its like with no Python call.
+        tracker = self.tracker
+        plan.tracker_type = None if tracker is None else type(tracker)
+        plan.tracker_pinning = tracker is not None and tracker.pinning
         plans = proxy.login_plans
         if len(plans) >= _MAX_PLANS:
             plans.clear()

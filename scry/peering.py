@@ -76,9 +76,11 @@ if TYPE_CHECKING:
 __all__ = [
     "KEY_MASK",
     "MAX_PEER_ID",
+    "RANDOM_MASK",
     "VIA_LOCAL",
     "VIA_PEER",
     "Peering",
+    "cancel_pid_base",
     "key_owner",
     "new_cancel_key",
     "remove_instance_dir",
@@ -104,23 +106,26 @@ _CANCEL = struct.Struct("!iiiI")
 
 # Cancel keys come from the OS's CSPRNG, as PostgreSQL's and PgBouncer's do: a
 # Mersenne Twister's keys can be predicted from the ones a client is shown,
-# and a predicted key cancels someone else's query. Read 4 KiB at a time.
-_entropy = bytearray()
-os.register_at_fork(after_in_child=_entropy.clear)  # a forked child draws its own
+# and a predicted key cancels someone else's query. Read 4 KiB at a time, as
+# 512 ready 64-bit words (a pop per login: every login draws a key).
+_key_words: list[int] = []
+_WORDS = struct.Struct("<512Q")
+os.register_at_fork(after_in_child=_key_words.clear)  # a forked child draws its own
 
 
-def _random_bits41() -> int:
-    if len(_entropy) < 6:
-        _entropy[:] = os.urandom(4096)
-    bits = int.from_bytes(_entropy[-6:], "little") & ((1 << 41) - 1)
-    del _entropy[-6:]
-    return bits
+def cancel_pid_base(peer_id: int, worker_id: int) -> int:
+    """The owner bits of a cancel key's pid (its random bits are zero)."""
+    return (peer_id << PEER_SHIFT) | (worker_id << WORKER_SHIFT)
 
 
 def new_cancel_key(peer_id: int, worker_id: int) -> tuple[int, int]:
-    """A fresh (pid, secret) that names its owner (peer and worker)."""
-    bits = _random_bits41()  # 9 bits of pid (never all zero), 32 of secret
-    pid = (peer_id << PEER_SHIFT) | (worker_id << WORKER_SHIFT) | ((bits >> 32) & RANDOM_MASK or 1)
+    """A fresh (pid, secret) that names its owner (peer and worker). (The
+    compiled relay draws the keys of the logins it serves itself, the same
+    way: ClientCore._login_done.)"""
+    if not _key_words:
+        _key_words.extend(_WORDS.unpack(os.urandom(_WORDS.size)))
+    bits = _key_words.pop()  # 9 bits of pid (never all zero), 32 of secret
+    pid = cancel_pid_base(peer_id, worker_id) | ((bits >> 32) & RANDOM_MASK or 1)
     return pid, bits & 0xFFFFFFFF
 
 

@@ -9,6 +9,7 @@ an exit code.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ from scry.hybrid import TransactionTracker, unfollowed
 from scry.log import event, setup_logging
 from scry.observe.pipeline import Observatory
 from scry.observe.record import ClientContext
-from scry.peering import KEY_MASK, Peering, new_cancel_key
+from scry.peering import KEY_MASK, Peering, cancel_pid_base, new_cancel_key
 from scry.pool import Pool
 from scry.protocol.classify import Effect
 from scry.relay_core import LoginPlan
@@ -76,6 +77,9 @@ class Proxy:
         self._janitor: asyncio.Task[None] | None = None
         self.admin: AdminServer | None = None  # the admin HTTP API (scry.adminapi)
         self.peering = Peering(self)  # cancel forwarding, shared breakers (scry.peering)
+        # The owner bits of this worker's cancel keys (the compiled relay's
+        # logins read them here; peer_id can change on reload).
+        self.cancel_pid_base = cancel_pid_base(self.peering.peer_id, self.worker_id)
         self._wait_for_clients = False
 
     # --- lifecycle ------------------------------------------------------------------
@@ -90,15 +94,15 @@ class Proxy:
         inherited = self.peering.take_over_listeners()
         if inherited:
             server = await loop.create_server(
-                lambda: ClientConnection(self), sock=inherited[0], backlog=4096
+                functools.partial(ClientConnection, self), sock=inherited[0], backlog=4096
             )
             for sock in inherited[1:]:  # an old instance with several workers
                 self.listeners.append(
-                    await loop.create_server(lambda: ClientConnection(self), sock=sock)
+                    await loop.create_server(functools.partial(ClientConnection, self), sock=sock)
                 )
         else:
             server = await loop.create_server(
-                lambda: ClientConnection(self),
+                functools.partial(ClientConnection, self),
                 host,
                 port,
                 reuse_address=True,
@@ -231,6 +235,7 @@ class Proxy:
         if new.listen_addr != self.config.listen_addr:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
         self.config = new
+        self.cancel_pid_base = cancel_pid_base(self.peering.peer_id, self.worker_id)
         self._tune_listeners()
         self.auth = auth
         self.login_plans.clear()

@@ -70,8 +70,8 @@ class PyLoginPlan:
 
     __slots__ = (
         "application_name", "database", "greeting", "max_client_conn", "md5_inner", "method",
-        "pool", "secret", "settings", "statement_pooling", "transaction_pooling", "user",
-        "welcome",
+        "pool", "secret", "settings", "statement_pooling", "tracker_pinning", "tracker_type",
+        "transaction_pooling", "user", "welcome",
     )  # fmt: skip
 
 

@@ -11,11 +11,25 @@ microsecond, a quarter of the proxy's Python work per transaction; here it
 costs a few tens of nanoseconds.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.string cimport memcpy
 
 from scry.protocol.framing import _check_length, _want_table
 
 cdef list _NO_EVENTS = []  # shared and never mutated: callers only iterate
+cdef dict _TABLES = {}  # (want, mark) -> _c_table(want, mark)
+
+
+cdef bytes _c_table(want, mark):
+    """The scanner's table as 256 signed chars: -1 not wanted, 0 reported
+    bare, 1 with its body (framing._want_table's dict, laid out)."""
+    cdef signed char table[256]
+    cdef int i
+    for i in range(256):
+        table[i] = -1
+    for kind, copy in _want_table(want, mark).items():
+        table[<unsigned char>kind] = 1 if copy else 0
+    return PyBytes_FromStringAndSize(<char*>table, 256)
 
 
 cdef inline Py_ssize_t _length_at(const unsigned char* p) noexcept nogil:
@@ -34,11 +48,18 @@ cdef class MessageScanner:
         Py_ssize_t max_collect=1 << 20,
         mark=(),
     ):
-        cdef int i
-        for i in range(256):
-            self._table[i] = -1
-        for kind, copy in _want_table(want, mark).items():
-            self._table[kind] = 1 if copy else 0
+        # The table for these (want, mark), built once: every connection
+        # makes a scanner, nearly all with the same few constant tuples.
+        try:
+            table = _TABLES[want, mark]
+        except (KeyError, TypeError):  # (TypeError: unhashable, so not kept)
+            table = _c_table(want, mark)
+            if len(_TABLES) < 64:
+                try:
+                    _TABLES[want, mark] = table
+                except TypeError:
+                    pass
+        memcpy(self._table, PyBytes_AS_STRING(table), 256)
         self._max = max_message_size
         self._max_collect = max_collect
         self._held = b""

@@ -60,17 +60,17 @@ def secret_kind(secret: str) -> str:
 # with a per-process key (PostgreSQL's scram_mock_salt idea): the same user
 # always sees the same salt, so probes cannot tell unknown users apart.
 _MOCK_SALT_KEY = os.urandom(32)
-_salt_pool = bytearray()
-os.register_at_fork(after_in_child=_salt_pool.clear)  # a forked child draws its own
+_salts: list[bytes] = []
+os.register_at_fork(after_in_child=_salts.clear)  # a forked child draws its own
 
 
 def _random_salt() -> bytes:
-    """Four random bytes for an md5 challenge, from a pool refilled 4 KiB at a time."""
-    if not _salt_pool:
-        _salt_pool.extend(os.urandom(4096))
-    salt = bytes(_salt_pool[-4:])
-    del _salt_pool[-4:]
-    return salt
+    """Four random bytes for an md5 challenge, from 4 KiB of the OS's CSPRNG
+    cut up at a time (a pop per md5 login)."""
+    if not _salts:
+        pool = os.urandom(4096)
+        _salts.extend([pool[i : i + 4] for i in range(0, 4096, 4)])
+    return _salts.pop()
 
 
 _UNKNOWN_USER_SECRET = os.urandom(16).hex()

@@ -7,16 +7,17 @@ sequence of logins (right, wrong and split md5 answers, unknown users,
 several startup packets, reloads that change a password, a pool that goes
 stale, max_client_conn reached, a drain): in one every chunk goes through
 ``data_received``, in the other straight to ``_data_received`` (the Python
-login, the reference). Salts and cancel keys are drawn from the same
-deterministic sequences in both; after every login the bytes each client was
-sent and the fields a login sets must be the same.
+login, the reference). After every login the bytes each client was sent
+and the fields a login sets must be the same, but for the md5 salt and the
+cancel key: those are random in both (the compiled path draws its own), so
+they are checked for what they must be (the key sent is the one registered
+for the client, naming this worker) and then left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -26,11 +27,10 @@ from fake_transport import Recorder, msg, offline_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scry import proxy as proxy_module
-from scry import relay_core
+from scry import peering, relay_core
 from scry.client import ClientConnection
 from scry.config import Config
-from scry.protocol import auth as auth_module
+from scry.peering import RANDOM_MASK, key_owner
 from scry.proxy import Proxy
 
 pytestmark = pytest.mark.skipif(not relay_core.COMPILED, reason="the extension was not built")
@@ -71,8 +71,6 @@ class Rig:
         self.auth_type = auth_type
         self.proxy = Proxy(config(auth_type, PASSWORDS, max_clients))
         self.clients: list[ClientConnection] = []
-        self.salts = (bytes([i % 256, i // 256 % 256, 7, 9]) for i in itertools.count(1))
-        self.keys = ((1000 + i, 5000 + i) for i in itertools.count(1))
         self.passwords = dict(PASSWORDS)
         self._warm_pools()
 
@@ -85,10 +83,7 @@ class Rig:
                 pool.welcome = {"server_version": "16.0", "application_name": ""}
 
     def sends(self, client: ClientConnection, data: bytes) -> None:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(auth_module, "_random_salt", lambda: next(self.salts))
-            mp.setattr(proxy_module, "new_cancel_key", lambda peer, worker: next(self.keys))
-            (client.data_received if self.fast else client._data_received)(data)
+        (client.data_received if self.fast else client._data_received)(data)
 
     def login(self, user: str, app: str, answer: str, split: bool) -> ClientConnection:
         client = ClientConnection(self.proxy)
@@ -120,15 +115,39 @@ class Rig:
     def snapshot(self, client: ClientConnection) -> tuple[Any, ...]:
         pool = client.pool
         return (
-            bytes(client.transport.data), client.state, client.user, client.database,
+            self.sent_without_random_parts(client), client.state, client.user, client.database,
             client.params, client.state == "ready" and id(client.params), client.application_name, pool.name if pool else None,
             pool.stale if pool else None, client.transaction_pooling, client.statement_pooling,
             type(client.tracker).__name__, getattr(client.tracker, "client_id", client.id) == client.id,
+            getattr(client.tracker, "pinning", None),
             client.context and (client.context.client_id == client.id, client.context[1:]),
-            client.cancel_key,
-            client._auth is None, client._reader is None, sorted(self.proxy.cancel_keys),
+            client.cancel_key is not None and key_owner(client.cancel_key[0]),
+            client._auth is None, client._reader is None, len(self.proxy.cancel_keys),
             len(self.proxy.clients),
         )  # fmt: skip
+
+    def sent_without_random_parts(self, client: ClientConnection) -> bytes:
+        """What ``client`` was sent, with the md5 salt and the BackendKeyData
+        zeroed, once the key is checked against the one registered for it."""
+        sent = bytearray(client.transport.data)
+        pos = 0
+        while pos + 5 <= len(sent):
+            kind, length = sent[pos : pos + 1], struct.unpack_from("!i", sent, pos + 1)[0]
+            if kind == b"R" and sent[pos + 5 : pos + 9] == b"\0\0\0\x05":
+                sent[pos + 9 : pos + 13] = bytes(4)  # the md5 salt
+            elif kind == b"K":
+                key = struct.unpack_from("!iI", sent, pos + 5)
+                assert key == client.cancel_key
+                assert self.proxy.cancel_keys[key] is client
+                assert pid_base(key[0]) == self.proxy.cancel_pid_base
+                sent[pos + 5 : pos + 13] = bytes(8)
+            pos += 1 + length
+        return bytes(sent)
+
+
+def pid_base(pid: int) -> int:
+    """A cancel key's pid without its random bits."""
+    return pid & ~RANDOM_MASK
 
 
 @pytest.fixture
@@ -230,3 +249,45 @@ def test_a_plan_still_asks_what_can_change_between_logins(loop: asyncio.Abstract
     rig.proxy.draining = True
     late = rig.login("app", "pgbench", "right", split=False)
     assert late.state == "closed" and b"57P01" in bytes(late.transport.data)
+
+
+def test_compiled_logins_draw_salts_and_keys_from_the_os_csprng(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As scry.protocol.auth and scry.peering draw theirs: 4 KiB of os.urandom
+    # at a time, taken from the end (a predictable key cancels others' queries).
+    from scry import _relay
+
+    rig = Rig("md5", 100, fast=True)
+    rig.login("app", "pgbench", "right", split=False)  # ClientLogin's, leaves a plan
+    drawn: list[int] = []
+
+    def urandom(n: int) -> bytes:
+        drawn.append(n)
+        return bytes(range(256)) * (n // 256)
+
+    monkeypatch.setattr(_relay._os, "urandom", urandom)
+    _relay._forget_entropy()
+    try:
+        client = rig.login("app", "pgbench", "right", split=False)
+    finally:
+        _relay._forget_entropy()  # nothing derived from the fake bytes outlives the test
+    assert client.state == "ready" and drawn == [4096]
+    sent = bytes(client.transport.data)
+    assert sent[9:13] == bytes([252, 253, 254, 255])  # the salt: the last 4 bytes
+    pid, secret = client.cancel_key
+    assert secret == int.from_bytes(bytes([244, 245, 246, 247]), "little")  # then 8 more
+    assert pid & RANDOM_MASK == int.from_bytes(bytes([248, 249]), "little") & RANDOM_MASK
+    assert key_owner(pid) == key_owner(rig.proxy.cancel_pid_base) == (0, 0)
+    assert rig.proxy.cancel_keys[pid, secret] is client
+
+
+def test_cancel_keys_follow_a_reloaded_peer_id(loop: asyncio.AbstractEventLoop) -> None:
+    rig = Rig("md5", 100, fast=True)
+    new = config("md5", PASSWORDS).model_copy(update={"peer_id": 7})
+    assert rig.proxy.apply_config(new)
+    rig._warm_pools()
+    rig.login("app", "pgbench", "right", split=False)
+    compiled = rig.login("app", "pgbench", "right", split=False)
+    assert compiled.state == "ready"
+    assert key_owner(compiled.cancel_key[0]) == (7, peering.key_owner(rig.proxy.cancel_pid_base)[1])
