@@ -13,10 +13,16 @@ their ``data_received`` serves the commonest chunks in C:
   CloseComplete, CopyInResponse): what ``ServerConnection._relay`` does for
   ReadyForQuery, CommandComplete, EmptyQueryResponse and PortalSuspended,
   then ``ClientConnection.on_server_ready``.
+* from a client, a StartupMessage and an md5 answer that a ``LoginPlan``
+  covers (what ``ClientLogin`` would work out again; the salt and the
+  cancel key are drawn here).
+
+``ClientCore`` also takes uvloop's ``connection_made`` and
+``connection_lost``, so a short-lived client runs little Python.
 
 Anything else goes to the connection's Python ``_data_received``, which
-stays the reference for every case (tests/unit/test_relay_fast.py holds the
-two to the same results). Why: live, the relay's per-transaction cost
+stays the reference for every case (tests/unit/test_relay_fast.py and
+test_login_fast.py hold the two to the same results). Why: live, the relay's per-transaction cost
 follows how much code and data it touches, and a Python step touches a
 frame, its code object, globals and a dozen attribute caches; here a step is
 a few struct fields and one call into the transport.
