@@ -446,6 +446,9 @@ class Proxy:
     def client_count(self) -> int:
         return len(self.clients)
 
+    # The compiled ClientCore does these two and register_cancel_key inline
+    # (connection_made, _leave_fast, _login_done): a change here goes there too.
+
     def on_client_connected(self, client: ClientConnection) -> None:
         self.clients.add(client)
 
