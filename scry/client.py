@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
-import itertools
 import logging
 import time
 from time import monotonic, perf_counter_ns
@@ -31,17 +30,17 @@ from scry.log import event, logging_info
 from scry.observe.record import ClientContext
 from scry.pool import Pool, PoolStats
 from scry.protocol import messages as m
-from scry.protocol.auth import ClientAuthExchange
 from scry.protocol.errors import (
     ADMIN_SHUTDOWN,
     CONNECTION_FAILURE,
     PROTOCOL_VIOLATION,
     ProtocolViolation,
 )
-from scry.protocol.framing import MessageReader, MessageScanner
-from scry.protocol.prepared import ClientStatements
+from scry.protocol.framing import MessageScanner
 from scry.relay_core import (
     AUTH,
+    CLIENT_MARK,
+    CLIENT_WANT,
     CLOSED,
     COMPILED,
     LOGIN,
@@ -49,6 +48,7 @@ from scry.relay_core import (
     READY,
     STARTUP,
     ClientCore,
+    client_numbers,
 )
 from scry.server import REC_EXECUTE, REC_QUERY, ServerConnection
 
@@ -62,20 +62,6 @@ _X = m.TERMINATE[0]
 _EXECUTE = m.EXECUTE[0]
 _MARKED = frozenset(x[0] for x in (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH))
 _PARSE = m.PARSE[0]
-
-# Client messages the relay must see (every other one is forwarded unread).
-CLIENT_WANT = (
-    m.QUERY,
-    m.SYNC,
-    m.FUNCTION_CALL,
-    m.TERMINATE,
-    m.EXECUTE,
-    m.COPY_DONE,
-    m.COPY_FAIL,
-    m.PARSE,
-)
-# Reported without their bodies: enough to know a batch is open until its Sync.
-CLIENT_MARK = (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH)
 
 # Settings PostgreSQL reports with ParameterStatus that a client may change;
 # scry re-applies them on whichever server serves the client.
@@ -92,46 +78,28 @@ TRACKED_PARAMETERS = frozenset(
 )
 
 
-_ids = itertools.count(1)
 _NO_STATS = PoolStats()  # counts nothing anyone reads: clients before they have a pool
 
 
 class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protocol):
     """One application connection to scry."""
 
-    # Slots: with more than 30 attributes CPython 3.11 gives up sharing instance
-    # dict keys; the fields touched per message are ClientCore's (scry.relay_core).
-    __slots__ = (
-        "_addr", "_auth", "_last_text", "_named_texts", "_paused_by_server", "_reader",
-        "_startup_buf", "_unnamed_rest", "_unnamed_text", "application_name", "cancel_key",
-        "connected_at", "connected_clock", "database", "id", "statements", "tls", "user",
-        "__weakref__"
-    )  # fmt: skip
+    # Its fields are ClientCore's (scry.relay_core): C struct members when compiled.
+    __slots__ = ("__weakref__",)
 
-    def __init__(self, proxy: Proxy) -> None:
-        self.start_fields()  # ClientCore's (see PyClientCore.start_fields for what they mean)
-        self.proxy = proxy
-        self.stats: PoolStats = _NO_STATS  # its pool's SHOW STATS counters
-        self._scanner = MessageScanner(CLIENT_WANT, proxy.config.max_packet_size, mark=CLIENT_MARK)
-        self.observed = proxy.observatory.enabled  # records what runs (scry.observe.record)
-        self.id = f"c{next(_ids)}"
-        self._addr: str | None = None
-        self.user = ""
-        self.database = ""
-        self.application_name = ""
-        self.tls = False
-        self.connected_at = time.time()
-        self.connected_clock = monotonic()  # for client_login_timeout
-        self.cancel_key: tuple[int, int] | None = None
-        self._startup_buf = bytearray()
-        self._reader: MessageReader | None = None
-        self._auth: ClientAuthExchange | None = None
-        self._unnamed_rest: bytes | None = None  # its last unnamed Parse, after the name
-        self._last_text = b""  # the statement the next Execute runs
-        self._unnamed_text = b""  # the unnamed prepared statement's text
-        self._named_texts: dict[bytes, bytes] = {}  # named statement -> its text
-        self.statements: ClientStatements | None = None
-        self._paused_by_server = False
+    if not COMPILED:  # else the compiled ClientCore.__init__, which does the same
+
+        def __init__(self, proxy: Proxy) -> None:
+            self.start_fields()  # the rest (see PyClientCore.start_fields)
+            self.proxy = proxy
+            self.stats: PoolStats = _NO_STATS  # its pool's SHOW STATS counters
+            self._scanner = MessageScanner(
+                CLIENT_WANT, proxy.config.max_packet_size, mark=CLIENT_MARK
+            )
+            self.observed = proxy.observatory.enabled  # records what runs (scry.observe.record)
+            self.id = f"c{next(client_numbers)}"
+            self.connected_at = time.time()
+            self.connected_clock = monotonic()  # for client_login_timeout
 
     # --- asyncio callbacks -----------------------------------------------------
 

@@ -18,7 +18,10 @@ exchanges and compares every field).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+
+from scry.protocol import messages as m
 
 # A client connection's states (scry.client_login drives the first three).
 STARTUP, AUTH, LOGIN, READY, CLOSED = "startup", "auth", "login", "ready", "closed"
@@ -35,6 +38,23 @@ S_CONNECTING, S_LOGIN, S_IDLE, S_ACTIVE, S_INTERNAL, S_CLOSED = (
 
 # Client bytes held while waiting for a server before reading pauses.
 MAX_QUEUED_BYTES = 256 * 1024
+
+# Client messages the relay must see (every other one is forwarded unread).
+CLIENT_WANT = (
+    m.QUERY,
+    m.SYNC,
+    m.FUNCTION_CALL,
+    m.TERMINATE,
+    m.EXECUTE,
+    m.COPY_DONE,
+    m.COPY_FAIL,
+    m.PARSE,
+)
+# Reported without their bodies: enough to know a batch is open until its Sync.
+CLIENT_MARK = (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH)
+
+# Numbers the clients' ids ("c1", "c2", ...), in this process.
+client_numbers = itertools.count(1)
 
 
 class PyPoolStats:
@@ -85,12 +105,16 @@ class PyClientCore:
         "params", "parked", "pins", "pool", "proxy", "server", "state", "statement_pooling",
         "stats", "t_acquired", "tracker", "transaction_pooling", "transport", "unanswered",
         "waiting_since",
+        # ClientConnection's own (struct members too, so that a login sets them in C)
+        "_addr", "_auth", "_last_text", "_named_texts", "_paused_by_server", "_reader",
+        "_startup_buf", "_unnamed_rest", "_unnamed_text", "application_name", "cancel_key",
+        "connected_at", "connected_clock", "database", "id", "statements", "tls", "user",
     )  # fmt: skip
 
     def start_fields(self) -> None:
-        """Every field's first value (what the compiled ClientCore starts with);
-        ClientConnection then sets ``proxy``, ``stats``, ``_scanner`` and
-        ``observed``."""
+        """Every field's first value that does not depend on the proxy (what
+        the compiled ClientCore starts with); ClientConnection.__init__ sets
+        the rest."""
         self.state = STARTUP
         self.transport = None
         self.params = {}  # settings to apply on any server that serves us
@@ -129,6 +153,22 @@ class PyClientCore:
         self._syncs_since_execute = 0
         self._early_syncs = 0  # of those, sent right after it (libpq's Execute, Sync)
         self.waiting_since = 0  # perf_counter_ns() when it joined the pool's queue; 0 = not
+        # ClientConnection's
+        self._addr = None  # "host:port", looked up when first needed (ClientConnection.addr)
+        self.user = ""
+        self.database = ""
+        self.application_name = ""
+        self.tls = False
+        self.cancel_key = None
+        self._startup_buf = bytearray()
+        self._reader = None  # a MessageReader once logged in
+        self._auth = None  # a ClientAuthExchange while authenticating
+        self._unnamed_rest = None  # its last unnamed Parse, after the name
+        self._last_text = b""  # the statement the next Execute runs
+        self._unnamed_text = b""  # the unnamed prepared statement's text
+        self._named_texts = {}  # named statement -> its text
+        self.statements = None  # ClientStatements, once it prepares named statements
+        self._paused_by_server = False
 
 
 class PyServerCore:

@@ -93,8 +93,12 @@ class Rig:
         sent = bytes(client.transport.data)
         if self.auth_type == "md5" and sent[:1] == b"R" and sent[8:9] == b"\x05":
             salt = sent[9:13]
-            password = {"right": self.passwords.get(user, "x"), "wrong": "nope"}[answer]
+            password = "nope" if answer == "wrong" else self.passwords.get(user, "x")
             reply = md5_answer(user, password, salt)
+            if answer == "last_digit_off":  # right but for its last hex digit
+                reply = reply[:-2] + (b"1" if reply[-2:-1] == b"0" else b"0") + b"\0"
+            elif answer == "uppercase":  # the right digest in uppercase hex
+                reply = reply[:8] + reply[8:].upper()
             for piece in [reply[:7], reply[7:]] if split else [reply]:
                 if client.state != "closed":
                     self.sends(client, piece)
@@ -228,6 +232,11 @@ def test_a_repeated_login_is_served_by_the_compiled_path(
     wrong = rig.login("app", "pgbench", "wrong", split=False)
     assert wrong.state == "closed" and len(seen) == 1  # a wrong answer is ClientLogin's
     assert b"28P01" in bytes(wrong.transport.data)
+    for answer in ("last_digit_off", "uppercase"):  # every digit is compared, as PostgreSQL does
+        seen.clear()
+        refused = rig.login("app", "pgbench", answer, split=False)
+        assert refused.state == "closed" and len(seen) == 1
+        assert b"28P01" in bytes(refused.transport.data)
     seen.clear()
     rig.reload("changed")  # every plan is stale after a reload
     rig.login("app", "pgbench", "right", split=False)
