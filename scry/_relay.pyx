@@ -531,7 +531,7 @@ cdef class ClientCore:
                     | <unsigned long long>r[6] << 48 | <unsigned long long>r[7] << 56)
             rnd = (bits >> 32) & _RANDOM_MASK
             upid = <unsigned int>(base | (rnd if rnd else 1))
-            usecret = <unsigned int>(bits & 0xFFFFFFFF)
+            usecret = <unsigned int>bits  # (the low 32 bits)
             cancel_key = (upid, usecret)
             if cancel_key not in keys:
                 break
