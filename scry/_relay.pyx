@@ -429,12 +429,12 @@ cdef class ClientCore:
             else:
                 ask = True
             if ask:
-                body = chunk[5:]
+                body = PyBytes_FromStringAndSize(<const char*>p + 5, n - 5)
                 tracker.on_query(body, self.ordinal)
         cdef long long now = _now_ns()
         if self.observed:
             if body is None:
-                body = chunk[5:]
+                body = PyBytes_FromStringAndSize(<const char*>p + 5, n - 5)
             self.inflight.append(_untracked((REC_QUERY, body, now)))
         self.last_active = _seconds(now)
         if self.parked:
@@ -853,7 +853,7 @@ cdef class ServerCore:
                 if PyBytes_GET_SIZE(tag) != end - pos - 5 or memcmp(
                     PyBytes_AS_STRING(tag), p + pos + 5, end - pos - 5
                 ):
-                    tag = chunk[pos + 5 : end]
+                    tag = PyBytes_FromStringAndSize(<const char*>p + pos + 5, end - pos - 5)
                     self._tag_seen = tag
                 self.last_tag = tag
                 if inflight and inflight[0][0] == REC_EXECUTE:
