@@ -183,7 +183,7 @@ cdef bint _may_reset_server(const unsigned char* p, Py_ssize_t n) noexcept nogil
     bytes patterns)."""
     cdef Py_ssize_t i
     for i in range(n):
-        if _lower(p[i]) == 100:  # 'd'
+        if (p[i] | 32) == 100:  # 'd' or 'D' (the cheapest test of every byte)
             if n - i >= 7 and _word_at(p + i, b"discard", 7):
                 return True
             if n - i >= 10 and _word_at(p + i, b"deallocate", 10):
@@ -281,10 +281,21 @@ cdef class LoginPlan:
     cdef public bint transaction_pooling, statement_pooling, tracker_pinning
 
 
+cdef class PoolCore:
+    """The fields of a pool that the relay touches per transaction (the
+    compiled twin of scry.relay_core.PyPoolCore; Pool sets them)."""
+
+    cdef public object proxy, settings, breaker, welcome, idle, waiters
+    cdef public dict parked
+    cdef public set servers
+    cdef public bint paused, stale
+    cdef public long long connecting, waits, total_wait_us
+
+
 cdef class ServerCore
 
 
-cdef object _acquire_fast(pool):
+cdef object _acquire_fast(PoolCore pool):
     """Pool.acquire_nowait, its commonest cases inline: the most recently used
     idle server, used recently enough to need no server_check_query; with
     none idle, the server of the longest-parked client (Pool._take_parked)."""
@@ -463,9 +474,10 @@ cdef class ClientCore:
         if type(found) is not LoginPlan:
             return False
         cdef LoginPlan plan = <LoginPlan>found
-        pool = plan.pool
+        cdef PoolCore pool = plan.pool
         if (
-            pool.stale
+            pool is None
+            or pool.stale
             or pool.welcome is not plan.welcome
             or proxy.draining
             or self.tls
@@ -502,7 +514,8 @@ cdef class ClientCore:
         if n != 41 or p[0] != 112 or _length_at(p + 1) != 40 or p[40] != 0:
             return False
         cdef LoginPlan plan = <LoginPlan>self._plan
-        if plan.pool.welcome is not plan.welcome:
+        cdef PoolCore pool = plan.pool
+        if pool is None or pool.welcome is not plan.welcome:
             return False
         if memcmp(p + 5, b"md5", 3) != 0 or not _hex_matches(
             p + 8, _md5(plan.md5_inner + self._salt).digest()
@@ -568,7 +581,7 @@ cdef class ClientCore:
         to the pool as _give_back would, with no reset (a desynced one is
         _hand_over's to close); else _cleanup."""
         cdef ServerCore server = self.server
-        pool = self.pool
+        cdef PoolCore pool = self.pool
         if self.waiting_since or pool is None or not self.transaction_pooling:
             self._cleanup("client closed")
             return
@@ -612,8 +625,8 @@ cdef class ClientCore:
             self.transport.pause_reading()
         if self.state is not READY or self.waiting_since:
             return  # (already queued at the pool)
-        pool = self.pool
-        if self.proxy.draining or pool.breaker.state is not BREAKER_CLOSED:
+        cdef PoolCore pool = self.pool
+        if pool is None or self.proxy.draining or pool.breaker.state is not BREAKER_CLOSED:
             self._get_server()  # (it refuses the query)
             return
         if pool.idle or pool.parked:
@@ -659,7 +672,7 @@ cdef class ClientCore:
         self._queued_bytes = 0
         server.transport.write(data)
 
-    cdef bint _attach_fast(self, ServerCore server, pool) except -1:
+    cdef bint _attach_fast(self, ServerCore server, PoolCore pool) except -1:
         """ClientConnection.attach: the pool hands this waiting client ``server``."""
         if self.state is not READY:
             return False
@@ -697,7 +710,9 @@ cdef class ClientCore:
     cdef void _unpark_fast(self) except *:
         """ClientConnection._unpark: a parked client starts a new transaction."""
         self.parked = False
-        pool = self.pool
+        cdef PoolCore pool = self.pool
+        if pool is None:
+            return
         pool.parked.pop(self, None)
         if pool.breaker.state is not BREAKER_CLOSED or pool.paused:
             # New transactions must pass the breaker: give the server back and
@@ -896,7 +911,9 @@ cdef class ServerCore:
         if tracker is not None and type(tracker) is not TransactionTracker and tracker.pinned:
             return  # session state lives on this server: keep it
         client._retried = False
-        pool = client.pool
+        cdef PoolCore pool = client.pool
+        if pool is None:
+            return
         if (
             not pool.waiters
             and not pool.paused
@@ -949,7 +966,7 @@ cdef class ServerCore:
             self.paused_by_client = False
             self.transport.resume_reading()
 
-    cdef void _hand_over(self, pool) except *:
+    cdef void _hand_over(self, PoolCore pool) except *:
         """ServerConnection.unlink, then Pool.release: the commonest case (a
         clean server straight to the oldest waiting client) inline."""
         self._unlink_fast()

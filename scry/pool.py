@@ -20,7 +20,7 @@ from scry.config import DatabaseTarget, PoolConfig
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.errors import CONNECTION_FAILURE
-from scry.relay_core import PoolStats
+from scry.relay_core import PoolCore, PoolStats
 from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError, settings_sql
 
 if TYPE_CHECKING:
@@ -43,17 +43,16 @@ _LIBPQ_ONLY = frozenset(
 )  # fmt: skip
 
 
-class Pool:
+class Pool(PoolCore):
     """Server connections to one database as one user."""
 
-    # Slots: more than 30 attributes (see ClientConnection.__slots__).
+    # Slots: more than 30 attributes (with more, CPython 3.11 gives up sharing
+    # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
         "_connect_failures", "_greetings", "_reserve_timer", "_retry_handle", "_wait_us_seen",
-        "_waits_seen", "_welcome_future", "breaker", "connecting", "health", "idle",
-        "last_error", "max_message_size", "max_wait_started", "name", "parked", "paused",
-        "proxy", "server_password", "server_user", "servers", "servers_closed",
-        "servers_opened", "setting_spellings", "settings", "stale", "startup_params", "stats",
-        "target", "total_wait_us", "waiters", "waits", "welcome", "__weakref__"
+        "_waits_seen", "_welcome_future", "health", "last_error", "max_message_size",
+        "max_wait_started", "name", "server_password", "server_user", "servers_closed",
+        "servers_opened", "setting_spellings", "startup_params", "stats", "target", "__weakref__"
     )  # fmt: skip
 
     def __init__(

@@ -171,6 +171,16 @@ class PyClientCore:
         self._paused_by_server = False
 
 
+class PyPoolCore:
+    """The fields of a pool that the relay touches per transaction (Pool sets
+    them; see scry.pool.Pool.__init__ for what they mean)."""
+
+    __slots__ = (
+        "breaker", "connecting", "idle", "parked", "paused", "proxy", "servers", "settings",
+        "stale", "total_wait_us", "waiters", "waits", "welcome",
+    )  # fmt: skip
+
+
 class PyServerCore:
     """The fields of a server connection that the relay touches per message."""
 
@@ -183,10 +193,10 @@ class PyServerCore:
 
 
 try:  # the compiled twins, built by setup.py when a C compiler is at hand
-    from scry._relay import ClientCore, LoginPlan, PoolStats, ServerCore
+    from scry._relay import ClientCore, LoginPlan, PoolCore, PoolStats, ServerCore
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
     ClientCore, PoolStats, ServerCore = PyClientCore, PyPoolStats, PyServerCore  # type: ignore[misc]
-    LoginPlan = PyLoginPlan  # type: ignore[misc]
+    LoginPlan, PoolCore = PyLoginPlan, PyPoolCore  # type: ignore[misc]
 
 #: True when the compiled fast paths serve the relay.
 COMPILED = ClientCore is not PyClientCore
