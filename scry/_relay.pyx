@@ -18,7 +18,9 @@ their ``data_received`` serves the commonest chunks in C:
   cancel key are drawn here).
 
 ``ClientCore`` also takes uvloop's ``connection_made`` and
-``connection_lost``, so a short-lived client runs little Python.
+``connection_lost``, and its ``__init__`` is ``ClientConnection``'s, so a
+short-lived client runs little Python. ``PoolCore``, the base of ``Pool``,
+holds what the fast paths read and change in a pool per transaction.
 
 Anything else goes to the connection's Python ``_data_received``, which
 stays the reference for every case (tests/unit/test_relay_fast.py and

@@ -1,9 +1,10 @@
-"""The relay's hot state: what a client and a server connection touch per message.
+"""The relay's hot state: what client and server connections and pools touch per message.
 
 ``ClientCore`` and ``ServerCore`` are the bases of ``ClientConnection`` and
-``ServerConnection``; ``PoolStats`` holds a pool's SHOW STATS counters. When
-setup.py could build ``scry/_relay.pyx`` they are its compiled classes: the
-same fields as typed C struct members, plus a ``data_received`` that serves
+``ServerConnection``, ``PoolCore`` that of ``Pool``; ``PoolStats`` holds a
+pool's SHOW STATS counters. When setup.py could build ``scry/_relay.pyx``
+they are its compiled classes: the same fields as typed C struct members,
+plus a ``data_received`` that serves
 the commonest chunks (one whole simple Query from a client; whole responses
 made only of rows, CommandComplete and ReadyForQuery from a server; a
 StartupMessage and md5 answer a ``LoginPlan`` covers) without running any
