@@ -4,11 +4,11 @@
 ``ServerConnection``, ``PoolCore`` that of ``Pool``; ``PoolStats`` holds a
 pool's SHOW STATS counters. When setup.py could build ``scry/_relay.pyx``
 they are its compiled classes: the same fields as typed C struct members,
-plus a ``data_received`` that serves
-the commonest chunks (one whole simple Query from a client; whole responses
-made only of rows, CommandComplete and ReadyForQuery from a server; a
-StartupMessage and md5 answer a ``LoginPlan`` covers) without running any
-Python, and hands every other chunk to the connection's ``_data_received``.
+plus a ``data_received`` that serves the commonest chunks (one whole simple
+Query from a client; whole responses made only of rows, CommandComplete and
+ReadyForQuery from a server; a StartupMessage and md5 answer a
+``LoginPlan`` covers) without running any Python, and hands every other
+chunk to the connection's ``_data_received``.
 Without a compiler they are the plain classes below and ``_data_received``
 is the ``data_received`` itself.
 

@@ -37,8 +37,8 @@ cdef inline Py_ssize_t _length_at(const unsigned char* p) noexcept nogil:
 
 
 cdef inline bytes _part(bytes b, Py_ssize_t start, Py_ssize_t end):
-    """``b[start:end]`` for 0 <= start: Cython slices bytes through a slice
-    object (PySequence_GetSlice), three times the cost of this copy."""
+    """``b[start:end]`` for 0 <= start, copied directly: Cython slices bytes
+    through PySequence_GetSlice, which builds a slice object and unpacks it."""
     cdef Py_ssize_t n = PyBytes_GET_SIZE(b)
     if end > n:
         end = n
