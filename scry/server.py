@@ -385,14 +385,14 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                 self.last_tag = b""
             elif kind == _COPY_IN:
                 self.copy = (self.copy | COPY_LIVE) & ~(COPY_FAILED | COPY_BROKEN)
-            elif kind == _C:
+            elif kind == _C and not self.swallow:  # (else our settings query's: _apply_settings)
                 self.last_tag = body
                 inflight = client.inflight
                 if inflight and inflight[0][0] == REC_EXECUTE:
                     if not t_done:
                         t_done = perf_counter_ns()
                     self._record(client, body, None, t_done)
-            elif kind in (_EMPTY_QUERY, _PORTAL_SUSPENDED):
+            elif kind in (_EMPTY_QUERY, _PORTAL_SUSPENDED) and not self.swallow:
                 inflight = client.inflight
                 if inflight and inflight[0][0] == REC_EXECUTE:
                     if not t_done:
