@@ -14,12 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_transport import Recorder, msg
+from fake_transport import Recorder, msg, offline_loop
 
 from scry.client import READY, ClientConnection
 from scry.config import Config
 from scry.hybrid import TransactionTracker
-from scry.pool import Pool
 from scry.protocol import messages as m
 from scry.proxy import Proxy
 from scry.server import IDLE, ServerConnection
@@ -39,14 +38,8 @@ def extended(text: str) -> bytes:
 
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
-    monkeypatch.setattr(Pool, "_spawn", lambda pool: None)  # no PostgreSQL here
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
+    with offline_loop(monkeypatch) as loop:
         yield loop
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one chunk", "two chunks"])
