@@ -92,17 +92,15 @@ class Proxy:
         # SO_REUSEPORT: workers share the port, and a rolling restart can bind it
         # while the old instance drains (scry.peering checks nobody else serves it).
         inherited = self.peering.take_over_listeners()
+        # (A partial, not a lambda: no Python frame per accepted connection.)
+        new_client = functools.partial(ClientConnection, self)
         if inherited:
-            server = await loop.create_server(
-                functools.partial(ClientConnection, self), sock=inherited[0], backlog=4096
-            )
+            server = await loop.create_server(new_client, sock=inherited[0], backlog=4096)
             for sock in inherited[1:]:  # an old instance with several workers
-                self.listeners.append(
-                    await loop.create_server(functools.partial(ClientConnection, self), sock=sock)
-                )
+                self.listeners.append(await loop.create_server(new_client, sock=sock))
         else:
             server = await loop.create_server(
-                functools.partial(ClientConnection, self),
+                new_client,
                 host,
                 port,
                 reuse_address=True,
