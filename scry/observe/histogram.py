@@ -120,8 +120,10 @@ def py_count_positions(values: Sequence[int], bounds: BucketBounds) -> dict[int,
 
 def count_positions(values: Sequence[int], bounds: BucketBounds) -> dict[int, int]:
     """``py_count_positions``, compiled when it can be (``_histogram.pyx``:
-    int64 values in a list)."""
-    if _compiled_count_positions is not None and values.__class__ is list:
+    int64 values in a list or an ``array('q')``)."""
+    if _compiled_count_positions is not None and (
+        values.__class__ is list or values.__class__ is array
+    ):
         try:
             return _compiled_count_positions(values, bounds.int64)
         except (OverflowError, TypeError):

@@ -23,7 +23,7 @@ max_wait_seconds}`` and is called at scrape time only.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -63,18 +63,12 @@ class _Timing:
         self.counts[bisect_left(BOUNDS_US, value_us)] += 1
         self.sum_ns += value_us * 1000
 
-    def add_ns(self, values: list[int], sum_ns: int) -> None:
+    def add_ns(self, values: Sequence[int], sum_ns: int) -> None:
         """Count durations in ns, in any order (``sum_ns`` is their sum)."""
         counts = self.counts
-        n = len(values)
-        if not n:
-            return
-        if max(values) < _EDGES_NS[0]:
-            counts[0] += n  # the common case for queue and acquire times
-        else:
-            # A duration's bucket is how many edges it reaches (bisect_right).
-            for position, count in count_positions(values, _EDGES).items():
-                counts[position] += count
+        # A duration's bucket is how many edges it reaches (bisect_right).
+        for position, count in count_positions(values, _EDGES).items():
+            counts[position] += count
         self.sum_ns += sum_ns
 
     def buckets(self) -> list[tuple[str, int]]:
@@ -160,7 +154,7 @@ class ObserveMetrics:
                 self.add_pinned(reason, 1)
 
     def observe_database(
-        self, database: str, errors: int, totals_ns: list[int], sum_ns: int
+        self, database: str, errors: int, totals_ns: Sequence[int], sum_ns: int
     ) -> None:
         """Count many statements of one database at once: ``totals_ns`` are
         their latencies in ns (any order), ``sum_ns`` their sum."""
@@ -174,17 +168,21 @@ class ObserveMetrics:
 
     def observe_phases(
         self,
-        queue_ns: list[int],
-        acquire_ns: list[int],
-        backend_ns: list[int],
+        queue_ns: Sequence[int],
+        acquire_ns: Sequence[int],
+        backend_ns: Sequence[int],
         acquire_zeros: int = 0,
+        sums_ns: tuple[int, int, int] | None = None,
     ) -> None:
         """Count the queue, pool-acquire and backend times (ns, any order)
-        of many statements at once, plus ``acquire_zeros`` acquire times of 0."""
-        self._queue.add_ns(queue_ns, sum(queue_ns))
-        self._acquire.add_ns(acquire_ns, sum(acquire_ns))
+        of many statements at once, plus ``acquire_zeros`` acquire times of 0.
+        ``sums_ns``, when the caller has them, are the three lists' sums."""
+        if sums_ns is None:
+            sums_ns = (sum(queue_ns), sum(acquire_ns), sum(backend_ns))
+        self._queue.add_ns(queue_ns, sums_ns[0])
+        self._acquire.add_ns(acquire_ns, sums_ns[1])
         self._acquire.counts[0] += acquire_zeros
-        self._backend.add_ns(backend_ns, sum(backend_ns))
+        self._backend.add_ns(backend_ns, sums_ns[2])
 
     def add_pinned(self, reason: str, count: int) -> None:
         """Count statements run while pinned for ``reason``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 
 import pytest
 from hypothesis import given, settings
@@ -167,15 +168,17 @@ def test_compiled_count_positions_says_what_bisect_says(
     values: list[int], lower: list[int]
 ) -> None:
     bounds = BucketBounds(sorted(lower))
-    assert histogram._compiled_count_positions(values, bounds.int64) == py_count_positions(
-        values, bounds
-    )
+    expected = py_count_positions(values, bounds)
+    assert histogram._compiled_count_positions(values, bounds.int64) == expected
+    assert histogram._compiled_count_positions(array("q", values), bounds.int64) == expected
 
 
 def test_count_positions_hands_what_is_not_int64_to_the_twin() -> None:
     values = [5_000, 1 << 70, -3, 2.5e6]
     assert count_positions(values, NS_BUCKETS) == py_count_positions(values, NS_BUCKETS)
     assert count_positions(tuple(values), NS_BUCKETS) == py_count_positions(values, NS_BUCKETS)
+    doubles = array("d", [5_000, -3, 2.5e6])  # an array, but not of int64s
+    assert count_positions(doubles, NS_BUCKETS) == py_count_positions(doubles, NS_BUCKETS)
 
 
 def test_add_group_equals_adds() -> None:
