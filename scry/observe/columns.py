@@ -36,11 +36,12 @@ def py_group_columns(recs: list[QueryRecord], tag_rows: Mapping[Any, int]) -> tu
     Durations are in ns, one per record: total = done - received, queue =
     acquired - received, backend = done - sent, acquire = sent - acquired
     (``acquires`` is None when every one is 0). Here they are lists of ints
-    of any size; the compiled walk gives the same numbers as ``array('q')``s. ``pins`` is None when no
-    record was pinned; ``rows`` adds up ``tag_rows[tag]``. The sums, the
-    shortest and longest total and whether every record names the first
-    record's database come with the columns: the drain would otherwise walk
-    each list again (cold, live: each walk touches every int once more).
+    of any size; the compiled walk gives the same numbers as ``array('q')``s.
+    ``pins`` is None when no record was pinned; ``rows`` adds up
+    ``tag_rows[tag]``. The sums, the shortest and longest total and whether
+    every record names the first record's database come with the columns:
+    the drain would otherwise walk each list again (cold, live: each walk
+    touches every int once more).
     """
     contexts, _, received, acquired, sent, done, tags, sqlstates, pins = [
         list(map(field, recs)) for field in _FIELDS

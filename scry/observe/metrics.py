@@ -171,14 +171,12 @@ class ObserveMetrics:
         queue_ns: Sequence[int],
         acquire_ns: Sequence[int],
         backend_ns: Sequence[int],
-        acquire_zeros: int = 0,
-        sums_ns: tuple[int, int, int] | None = None,
+        acquire_zeros: int,
+        sums_ns: Sequence[int],
     ) -> None:
         """Count the queue, pool-acquire and backend times (ns, any order)
-        of many statements at once, plus ``acquire_zeros`` acquire times of 0.
-        ``sums_ns``, when the caller has them, are the three lists' sums."""
-        if sums_ns is None:
-            sums_ns = (sum(queue_ns), sum(acquire_ns), sum(backend_ns))
+        of many statements at once, plus ``acquire_zeros`` acquire times of 0;
+        ``sums_ns`` are the three times' sums (the column walk has them)."""
         self._queue.add_ns(queue_ns, sums_ns[0])
         self._acquire.add_ns(acquire_ns, sums_ns[1])
         self._acquire.counts[0] += acquire_zeros

@@ -409,7 +409,7 @@ class Observatory:
             summary.acquires,
             summary.backends,
             summary.acquire_zeros,
-            tuple(summary.phase_sums),
+            summary.phase_sums,
         )
         for reason, count in summary.pinned.items():
             metrics.add_pinned(reason, count)
