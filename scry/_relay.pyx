@@ -292,6 +292,7 @@ cdef class PoolCore:
     cdef public set servers
     cdef public bint paused, stale
     cdef public long long connecting, waits, total_wait_us
+    cdef public double check_delay
 
 
 cdef class ServerCore
@@ -307,8 +308,8 @@ cdef object _acquire_fast(PoolCore pool):
     if idle:
         server = idle.pop()
         if isinstance(server, ServerCore) and (<ServerCore>server).state is S_IDLE:
-            delay = pool.proxy.config.timeouts.server_check_delay
-            if not delay or pool.proxy.clock - server.last_used <= delay:
+            delay = pool.check_delay
+            if not delay or pool.proxy.clock - (<ServerCore>server).last_used <= delay:
                 return server
         idle.append(server)  # (not that simple: the pool decides)
         return pool.acquire_nowait()

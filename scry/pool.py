@@ -70,6 +70,8 @@ class Pool(PoolCore):
         self.name = f"{target.name}/{server_user}"
         self.startup_params = {k: v for k, v in target.params.items() if k not in _LIBPQ_ONLY}
         self.max_message_size = proxy.config.max_packet_size
+        # (Copied: the relay reads it per acquire; Proxy.apply_config renews it.)
+        self.check_delay = proxy.config.timeouts.server_check_delay
         self.idle: deque[ServerConnection] = deque()
         self.servers: set[ServerConnection] = set()  # every logged-in server
         self.connecting = 0
@@ -130,8 +132,7 @@ class Pool(PoolCore):
         if self.paused:
             return None
         idle = self.idle
-        if idle:
-            check_delay = self.proxy.config.timeouts.server_check_delay
+        check_delay = self.check_delay
         while idle:
             server = idle.pop()  # most recently used first: its caches are warm
             if server.state is IDLE:

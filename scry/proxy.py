@@ -248,6 +248,7 @@ class Proxy:
             else:
                 pool.target = target
                 pool.settings = target.pool
+                pool.check_delay = new.timeouts.server_check_delay
         event("config reloaded", path=self.config_path or "", databases=len(self.targets))
         return True
 

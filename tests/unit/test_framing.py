@@ -146,6 +146,19 @@ def test_scanner_accepts_int_and_bytes_wants() -> None:
     assert [e[0] for e in events] == [ord("Q"), ord("S")]
 
 
+def test_scanner_tables_follow_what_each_scanner_wants() -> None:
+    # The compiled scanner finds the tables of constant tuples by identity:
+    # each scanner must still report its own kinds, however often it is made.
+    data = frame(ord("Q"), b"q\x00") + frame(ord("Z"), b"I") + frame(ord("S"), b"")
+    wants = [(b"Q",), (b"Z",), (b"Q",), [b"S"], (b"Z", b"S"), (b"Z",)]
+    for _ in range(3):
+        for want in wants:
+            _, events = MessageScanner(want).feed(data)
+            assert [bytes([e[0]]) for e in events] == [k for k in (b"Q", b"Z", b"S") if k in want]
+        _, events = MessageScanner((b"Q",), mark=(b"S",)).feed(data)
+        assert events == [(ord("Q"), 7, b"q\x00"), (ord("S"), 18, b"")]
+
+
 def test_scanner_holds_back_partial_header() -> None:
     s = MessageScanner([b"Z"])
     msg = frame(ord("Z"), b"I")

@@ -382,3 +382,24 @@ def test_a_parked_server_is_taken_without_python(
     assert third.server is kept and first.server is None and not first.parked
     assert not rig.pool.parked and python == []
     assert kept.transport.data.endswith(m.query("SELECT 2"))
+
+
+def test_a_reloaded_server_check_delay_reaches_the_fast_acquire(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay takes an idle server itself only while it was used within
+    server_check_delay; a reload's new delay applies to the pools it keeps."""
+    rig = Rig("transaction", observe=True, fast=True)
+    python: list[str] = []
+    monkeypatch.setattr(type(rig.pool), "acquire_nowait", lambda pool: python.append("acquire"))
+    for server in rig.servers:
+        server.last_used = rig.proxy.clock - 10  # idle 10 s: within the default 30 s
+    first, second, _ = rig.clients
+    first.data_received(m.query("SELECT 1"))
+    assert first.server is rig.servers[1] and python == []
+    timeouts = rig.proxy.config.timeouts.model_copy(update={"server_check_delay": 5})
+    assert rig.proxy.apply_config(rig.proxy.config.model_copy(update={"timeouts": timeouts}))
+    assert rig.pool.check_delay == 5
+    second.data_received(m.query("SELECT 2"))  # idle 10 s > 5 s: the pool checks it first
+    assert python == ["acquire"] and second.server is None
+    assert list(rig.pool.idle) == [rig.servers[0]]
