@@ -16,7 +16,8 @@ idle subscription never lingers) or the worker stops. Worker 0 reconnects to
 a worker whose stream ended (a restarted worker) every ``RECONNECT_DELAY``.
 
 Events of different workers are interleaved as they arrive: each worker's in
-order, the workers' within about one drain interval (30 ms) of each other.
+order, the workers' within about one drain of each other (30 ms when
+statements are busy, at most ~130 ms when they are few).
 Nothing here waits on the query path: each worker's events reach its stream
 through the same bounded, drop-oldest subscription as a local tail.
 """

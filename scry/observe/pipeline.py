@@ -2,8 +2,10 @@
 
 The proxy calls exactly one thing per statement, ``observatory.record(rec)``
 (a bounded deque append; see ``scry.observe.record`` for the tuple). A
-background task drains the deque every ``drain_interval`` seconds, in chunks
-so one drain never holds the event loop long. The drain shares the proxy's
+background task looks at the deque every ``drain_interval`` seconds and
+drains it when ``drain_at`` records wait or ``drain_max_wait`` seconds have
+passed since it last did, in chunks so one drain never holds the event loop
+long. The drain shares the proxy's
 CPU, so it works per *chunk*, not per record:
 
 1. per chunk, in one compiled walk (``columns.chunk_variants``; no Python
@@ -79,6 +81,8 @@ class Observatory:
         sink: Sink | None = None,
         max_records: int = 100_000,
         drain_interval: float = 0.03,
+        drain_at: int = 500,
+        drain_max_wait: float = 0.1,
         drain_chunk: int = 1_000,
         hot_decay_seconds: float = 60.0,
         clock: Callable[[], float] = time.time,
@@ -137,7 +141,11 @@ class Observatory:
         # memory if the drain ever stopped (drops past it go uncounted).
         self._records: deque[QueryRecord] = deque(maxlen=max_records + 10 * drain_chunk)
         self._max_records = max_records
+        # The drain task looks every drain_interval, and drains when drain_at
+        # records wait or drain_max_wait has passed since its last drain.
         self.drain_interval = drain_interval
+        self.drain_at = drain_at
+        self.drain_max_wait = drain_max_wait
         self.drain_chunk = drain_chunk
         self._clock = clock
         # Records carry perf_counter_ns readings; this turns them into wall time.
@@ -194,17 +202,27 @@ class Observatory:
 
     async def _drain_loop(self) -> None:
         # Polling on purpose: waking an Event from record() would cost the
-        # hot path a call per statement. Every 30 ms: a drain's fixed cost is
-        # now ~11 µs, and records drained while still in the CPU's caches
-        # cost less. Measured live (pgbench -S, user CPU of the proxy per
-        # statement, medians of alternating runs): at 10 clients 3.26 µs
-        # every 0.1 s, 2.88 every 30 ms, 2.42 every 10 ms; at 50 clients
-        # 3.76 / 3.35 / 2.95 in one run, no difference in another. Every
-        # 10 ms moved as much into system time, so 30 ms.
+        # hot path a call per statement. A drain costs a fixed part (live,
+        # with the drain's code and data out of the CPU's caches: ~150 µs at
+        # pgbench -C) and a part per record that grows as the records age in
+        # the queue. So at a high rate it drains as soon as it looks (every
+        # 30 ms: at 10 clients, user CPU per statement was 3.26 µs with a
+        # drain every 100 ms, 2.88 every 30 ms), and at a low rate it lets
+        # records gather for up to 100 ms (at -C, 116 records a drain cost
+        # 3.5 µs each, 330 records 2.6 µs). Measurements: docs/benchmarks.md.
+        clock = asyncio.get_running_loop().time
+        drained_at = clock()
         while True:
             await asyncio.sleep(self.drain_interval)
+            if not self._drain_due(clock() - drained_at):
+                continue
+            drained_at = clock()
             while self.drain(self.drain_chunk) == self.drain_chunk:  # noqa: ASYNC110
                 await asyncio.sleep(0)  # let queries through between chunks
+
+    def _drain_due(self, since_last: float) -> bool:
+        """Drain now, ``since_last`` seconds after the last drain?"""
+        return len(self._records) >= self.drain_at or since_last >= self.drain_max_wait
 
     def drain(self, limit: int | None = None) -> int:
         """Process up to ``limit`` queued records now; returns how many."""

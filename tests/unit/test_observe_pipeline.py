@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,48 @@ def test_record_queue_is_bounded_and_counts_drops() -> None:
     for i in range(100):
         stalled.record(_record(clocks, ctx, f"SELECT {i}", 10))
     assert len(stalled._records) == 30 and stalled.records_dropped == 20
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.001)
+
+
+async def test_the_drain_waits_for_records_to_gather_or_time_to_pass() -> None:
+    """Fewer than drain_at records wait (up to drain_max_wait); drain_at of
+    them are drained at the drain task's next look."""
+    clocks = Clocks()
+    looks: list[float] = []
+
+    class Counted(Observatory):
+        def _drain_due(self, since_last: float) -> bool:
+            looks.append(since_last)
+            return super()._drain_due(since_last)
+
+    obs = Counted(
+        ObservabilityConfig(),
+        clock=clocks.clock,
+        perf_counter_ns=clocks.perf_ns,
+        drain_interval=0.001,
+        drain_at=5,
+        drain_max_wait=3600,
+    )
+    ctx = ClientContext("c", "d", "u", "a")
+    await obs.start()
+    try:
+        for i in range(4):
+            obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
+        await _until(lambda: len(looks) >= 5)
+        assert obs.records_processed == 0
+        obs.record(_record(clocks, ctx, "SELECT 4", 10))
+        await _until(lambda: obs.records_processed == 5)
+        obs.drain_max_wait = 0  # as if it had passed: a lone record goes too
+        obs.record(_record(clocks, ctx, "SELECT 5", 10))
+        await _until(lambda: obs.records_processed == 6)
+    finally:
+        await obs.stop()
 
 
 def test_max_fingerprints_evicts() -> None:
