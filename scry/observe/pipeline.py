@@ -5,8 +5,8 @@ The proxy calls exactly one thing per statement, ``observatory.record(rec)``
 background task looks at the deque every ``drain_interval`` seconds and
 drains it when ``drain_at`` records wait or ``drain_max_wait`` seconds have
 passed since it last did, in chunks so one drain never holds the event loop
-long. The drain shares the proxy's
-CPU, so it works per *chunk*, not per record:
+long. The drain shares the proxy's CPU, so it works per *chunk*, not per
+record:
 
 1. per chunk, in one compiled walk (``columns.chunk_variants``; no Python
    loop per record): each text's variant (``fingerprint.Fingerprinter``:
