@@ -345,6 +345,17 @@ def test_records_stay_out_of_the_cycle_collector(loop: asyncio.AbstractEventLoop
     assert records[1][2] is records[1][3]
 
 
+def test_compiled_clients_are_numbered_c1_c2_and_on() -> None:
+    """The compiled ClientCore writes its own client ids: "c" and the next
+    number in decimal, one apart, across a carry into the next digit."""
+    rig = Rig("transaction", observe=True, fast=True)
+    ids = [ClientConnection(rig.proxy).id for _ in range(11)]  # crosses a multiple of 10
+    numbers = [int(i[1:]) for i in ids]
+    assert all(type(i) is str and i == f"c{n}" for i, n in zip(ids, numbers, strict=True))
+    assert numbers == list(range(numbers[0], numbers[0] + 11))
+    assert numbers[0] > int(rig.clients[-1].id[1:])  # after the rig's own clients
+
+
 def test_stateless_queries_skip_the_session_tracker(
     loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
