@@ -54,7 +54,8 @@ CLIENT_WANT = (
 # Reported without their bodies: enough to know a batch is open until its Sync.
 CLIENT_MARK = (m.BIND, m.DESCRIBE, m.CLOSE, m.FLUSH)
 
-# Numbers the clients' ids ("c1", "c2", ...), in this process.
+# Numbers the clients' ids ("c1", "c2", ...), in this process (the Python
+# ClientConnection's; the compiled ClientCore keeps the same count in C).
 client_numbers = itertools.count(1)
 
 
