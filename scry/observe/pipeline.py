@@ -21,8 +21,9 @@ record:
    ``stats.StatsTable.add_group``;
 3. per database and per drain: the Prometheus histograms
    (``metrics.ObserveMetrics``), counted the same way;
-4. per distinct lookup value: one keyed hash into the hot-value sketch
-   (``sketch.HotData.add_values``); the raw values die with the drain;
+4. per distinct lookup value: its cells in the hot-value sketch
+   (``sketch.HotData.add_values``), and a keyed hash only for the few that
+   may enter its top-k; the raw values die with the drain;
 5. only when someone listens: the proxy's query listeners (per record), and
    the events, when a sink or a live-tail subscriber wants them: one
    ``events.EventBlock`` per chunk built column-wise, in record order, pushed

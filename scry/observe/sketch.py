@@ -7,10 +7,12 @@ A Top-K table keeps the ``k`` keys with the largest estimates. Every
 ``decay_seconds`` all counters are halved, so the view follows the present.
 Memory is fixed: ``width * depth`` counters plus ``k`` entries per sketch.
 
-Keys are hashed once into a digest of ``4 * depth`` bytes; each row takes 32
-bits of it as its index. Lookup values are hashed with the anonymization key
-(``table.column``, NUL, value), so the sketch and its output hold no raw value:
-a hot value shows as ``pgbench_accounts.aid = #k7q2b6…``.
+A table name is hashed once into a digest of ``4 * depth`` bytes; each row
+takes 32 bits of it as its index. A lookup value (``table.column``, NUL,
+value) finds its cells by ``RowHash``, keyed from the anonymization key, and
+only a value that may enter the Top-K gets its keyed Blake3 digest, which is
+what the table keeps and shows: the sketch and its output hold no raw value,
+and a hot value shows as ``pgbench_accounts.aid = #k7q2b6…``.
 """
 
 from __future__ import annotations
@@ -60,20 +62,6 @@ class CountMinSketch:
         self.total += count
         return min(map(counts.__getitem__, indexes))
 
-    def add_digest(self, digest: bytes, count: int = 1) -> int:
-        """``add(indexes(digest))`` in one pass (the per-value path)."""
-        counts = self._counts
-        w = self.width
-        estimate = -1
-        for v, offset in zip(self._unpack(digest), self._offsets):  # noqa: B905
-            i = v % w + offset
-            c = counts[i] + count
-            counts[i] = c
-            if c < estimate or estimate < 0:
-                estimate = c
-        self.total += count
-        return estimate
-
     def estimate(self, indexes: list[int]) -> int:
         """The estimated count of a key."""
         return min(map(self._counts.__getitem__, indexes))
@@ -118,6 +106,68 @@ class CountMinSketch:
         w = self.width
         values = struct.unpack_from(f"<{self.depth}I", digest)
         return min(self._counts[v % w + o] for v, o in zip(values, self._offsets))  # noqa: B905
+
+
+# The Mersenne prime 2**61 - 1: the field RowHash computes in.
+_P61 = (1 << 61) - 1
+_ROW_SEED_CONTEXT = b"scry hot data count-min rows v1"
+
+
+class RowHash:
+    """Which cell a lookup value counts in, in each row of a sketch.
+
+    A polynomial hash of the value's bytes (its little-endian 32-bit words,
+    the last zero-padded, then its length) in a secret base modulo the prime
+    2**61 - 1, then one ``((a * h + b) mod p) mod width`` per row: the
+    pairwise-independent family Count-Min's bounds are proved for. Two
+    distinct values of n words share ``h`` with probability at most
+    (n + 1) / 2**61.
+
+    The base and each row's ``a, b`` come from the anonymization key, so the
+    workers of one deployment put a value in the same cells (their sketches
+    add up cell-wise) and without the key nobody can tell which cells a
+    guessed value would touch. (It is not a PRF: someone who can both send
+    queries and read the admin API might learn the seeds from where chosen
+    values land; but they can already test a guess by sending it and
+    comparing its hot-value token.) Hashing every value with keyed Blake3 instead
+    (its digest's words as the rows) cost 0.23 µs of the drain's ~0.5 per
+    pgbench record; this costs a few multiplications.
+    """
+
+    __slots__ = ("seeds", "width", "depth")
+
+    def __init__(self, anonymizer: Anonymizer, width: int, depth: int) -> None:
+        words = struct.unpack(
+            f"<{1 + 2 * depth}Q", anonymizer.digest(_ROW_SEED_CONTEXT, 8 * (1 + 2 * depth))
+        )
+        seeds = [words[0] % (_P61 - 1) + 1]  # the base: not 0
+        for a, b in zip(words[1::2], words[2::2], strict=True):
+            seeds += (a % (_P61 - 1) + 1, b % _P61)  # a: not 0
+        self.seeds = array("Q", seeds)
+        self.width = width
+        self.depth = depth
+
+    def positions(self, key: bytes) -> list[int]:
+        """The key's cell in each row, as positions in the sketch's cells."""
+        return self.cells(_fold(key, self.seeds[0]))
+
+    def cells(self, h: int) -> list[int]:
+        """``positions`` from the key's polynomial (what ``count_keys`` gives)."""
+        return _row_positions(self.seeds, h, self.width)
+
+
+def _fold(key: bytes, base: int) -> int:
+    h = 0
+    for (word,) in struct.iter_unpack("<I", key + bytes(-len(key) % 4)):
+        h = (h * base + word) % _P61
+    return (h * base + len(key)) % _P61
+
+
+def _row_positions(seeds: array[int], h: int, width: int) -> list[int]:
+    return [
+        (a * h + b) % _P61 % width + row * width
+        for row, (a, b) in enumerate(zip(seeds[1::2], seeds[2::2], strict=True))
+    ]
 
 
 class TopK:
@@ -209,9 +259,9 @@ class HotData:
         self._clock = clock
         self._next_decay = clock() + decay_seconds
         self._digest_len = 4 * depth
+        self._rows = RowHash(anonymizer, width, depth)
         self._table_indexes: dict[str, list[int]] = {}
         self._column_prefix: dict[str, bytes] = {}
-        self._digest = anonymizer.digest
         self._hasher = anonymizer.hasher()
 
     def add_table(self, table: str, count: int = 1) -> None:
@@ -241,59 +291,42 @@ class HotData:
     def add_values(self, counts: dict[bytes, int]) -> None:
         """Count lookup values given as ``fingerprint.value_key`` -> count
         (``b"table.column\0value"``; the pipeline adds up one drain's worth).
-        Each key is hashed once with the anonymization key; only the digest
-        is kept."""
-        # One keyed hasher, reset before each value (twice as fast as a copy
-        # of a fresh one: no 2 KB state to clone).
+        Each key finds its cells by ``RowHash``; only the few whose estimate
+        could enter the Top-K are hashed with the anonymization key, and only
+        that digest is kept."""
         cms = self.values
         top = self.top_values
         offer = top.offer
-        if cms.depth == 4 and self._digest_len <= 32:  # the default shape: compiled
-            floor = top.admission_floor()
-            candidates = _count_digests(counts, self._hasher, cms._counts, cms.width, floor)
+        candidates = _count_keys(
+            counts, self._rows.seeds, cms._counts, cms.width, top.admission_floor()
+        )
+        if candidates:
+            # One keyed hasher, reset before each value (twice as fast as a
+            # copy of a fresh one: no 2 KB state to clone).
+            hasher = self._hasher
+            reset, update, finish = hasher.reset, hasher.update, hasher.digest
             floor = top.floor()
-            for digest, key, estimate in candidates:
+            for key, estimate, h in candidates:
                 # At or under the floor the key cannot be one the table keeps
                 # (a kept key's estimate never falls below what the table
                 # holds for it, and that is at least the floor): not admitted.
                 if floor is not None and estimate <= floor:
                     continue
+                reset()
+                update(key)
+                digest = finish()
                 if offer(digest, estimate):
-                    top.labels[digest] = self._value_label(key, digest)
+                    top.labels[digest] = self._value_label(key, digest, h)
                 floor = top.floor()
-            cms.total += sum(counts.values())
-            return
-        hasher = self._hasher
-        reset, update, finish = hasher.reset, hasher.update, hasher.digest
-        length = self._digest_len
-        full = length <= 32  # digest() without a length: 32 bytes, the cheapest call
-        cells = cms._counts
-        unpack = struct.Struct(f"<{cms.depth}I").unpack_from
-        width = cms.width
-        offsets = cms._offsets
-        floor = top.floor()
-        for key, count in counts.items():
-            reset()
-            update(key)
-            digest = finish() if full else finish(length=length)
-            estimate = -1
-            for v, offset in zip(unpack(digest), offsets):  # noqa: B905
-                i = v % width + offset
-                c = cells[i] + count
-                cells[i] = c
-                if c < estimate or estimate < 0:
-                    estimate = c
-            if floor is not None and estimate <= floor:
-                continue  # not admitted (see above)
-            if offer(digest, estimate):
-                top.labels[digest] = self._value_label(key, digest)
-            floor = top.floor()
         cms.total += sum(counts.values())
 
     @staticmethod
-    def _value_label(key: bytes, digest: bytes) -> tuple[str, str]:
+    def _value_label(key: bytes, digest: bytes, h: int) -> tuple[str, str, int]:
+        """(column, token, the key's polynomial): ``export`` turns the last
+        into the key's cells, for ``merge_hot`` to re-estimate the value from
+        the workers' merged sketch."""
         column = key[: key.index(b"\0")].decode("utf-8", "surrogatepass")
-        return column, f"#{short_token(digest)}…"
+        return column, f"#{short_token(digest)}…", h
 
     def maybe_decay(self, now: float | None = None) -> bool:
         """Halve everything if a decay interval passed; True if it did."""
@@ -313,7 +346,7 @@ class HotData:
             ],
             "values": [
                 {"column": column, "value": token, "count": count}
-                for (column, token), count in self.top_values.items(limit)
+                for (column, token, _h), count in self.top_values.items(limit)
             ],
         }
 
@@ -324,48 +357,45 @@ class HotData:
             "values": self.values.export(),
             "top_tables": list(self.top_tables.labels),
             "top_values": [
-                [digest.hex(), column, token]
-                for digest, (column, token) in self.top_values.labels.items()
+                [digest.hex(), column, token, self._rows.cells(h)]
+                for digest, (column, token, h) in self.top_values.labels.items()
             ],
         }
 
 
-def _py_count_digests(
-    counts: dict[bytes, int], hasher: Any, cells: array[int], width: int, floor: int
-) -> list[tuple[bytes, bytes, int]]:
-    """The reference of ``scry.observe._hot.count_digests``: hash each key
-    of ``counts`` with ``hasher`` (reset before each), add its count to its
-    four cells (rows of ``width`` in ``cells``) and return ``[(digest, key,
-    estimate)]`` for the keys whose estimate is above ``floor``."""
-    reset, update, finish = hasher.reset, hasher.update, hasher.digest
-    unpack = struct.Struct("<4I").unpack_from
-    offset2, offset3 = 2 * width, 3 * width
+def _py_count_keys(
+    counts: dict[bytes, int], seeds: array[int], cells: array[int], width: int, floor: int
+) -> list[tuple[bytes, int, int]]:
+    """The reference of ``scry.observe._hot.count_keys``: add each key's
+    count to its cell in each row of ``cells`` (``RowHash`` with ``seeds``)
+    and return ``[(key, estimate)]`` for the keys whose estimate is above
+    ``floor``, with each key's polynomial (``RowHash.cells``)."""
+    if not (len(seeds) >= 3 and len(seeds) % 2 == 1):
+        raise ValueError("seeds are a base and two numbers per row")
+    if width <= 0 or len(cells) < (len(seeds) - 1) // 2 * width:
+        raise ValueError("cells must hold depth rows of width counters")
+    base = seeds[0]
     candidates = []
     for key, count in counts.items():
-        reset()
-        update(key)
-        digest = finish()
-        a, b, c, d = unpack(digest)
-        a %= width
-        b = b % width + width
-        c = c % width + offset2
-        d = d % width + offset3
-        cells[a] = estimate = cells[a] + count
-        cells[b] = cb = cells[b] + count
-        cells[c] = cc = cells[c] + count
-        cells[d] = cd = cells[d] + count
-        estimate = min(estimate, cb, cc, cd)
+        if type(key) is not bytes:
+            raise TypeError("a lookup value's key is bytes")
+        h = _fold(key, base)
+        estimate = None
+        for i in _row_positions(seeds, h, width):
+            cells[i] = cell = cells[i] + count
+            if estimate is None or cell < estimate:
+                estimate = cell
         if estimate > floor:
-            candidates.append((digest, key, estimate))
+            candidates.append((key, estimate, h))
     return candidates
 
 
 try:  # the compiled twin, built by setup.py when a C compiler is at hand
-    from scry.observe._hot import count_digests as _compiled_count_digests
+    from scry.observe._hot import count_keys as _compiled_count_keys
 except ImportError:
-    _compiled_count_digests = None
+    _compiled_count_keys = None
 
-_count_digests = _compiled_count_digests or _py_count_digests
+_count_keys = _compiled_count_keys or _py_count_keys
 
 
 def table_digest(table: str, length: int) -> bytes:
@@ -384,9 +414,10 @@ def merge_hot(exports: list[dict[str, Any]], limit: int) -> dict[str, list[dict[
         ((tables.estimate_digest(table_digest(n, length)), n) for n in names),
         key=lambda item: (-item[0], item[1]),
     )
-    labels = {digest: (column, token) for e in exports for digest, column, token in e["top_values"]}
+    # One entry per value (its digest): (column, token, its cells).
+    labels = {digest: (column, token, cells) for e in exports for digest, column, token, cells in e["top_values"]}  # fmt: skip
     hot_values = sorted(
-        ((values.estimate_digest(bytes.fromhex(d)), label) for d, label in labels.items()),
+        ((values.estimate(cells), (column, token)) for column, token, cells in labels.values()),
         key=lambda item: (-item[0], item[1]),
     )
     return {

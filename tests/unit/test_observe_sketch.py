@@ -13,11 +13,16 @@ from hypothesis import strategies as st
 
 from scry.observe import sketch
 from scry.observe.anonymize import Anonymizer
-from scry.observe.sketch import CountMinSketch, HotData, TopK
+from scry.observe.sketch import CountMinSketch, HotData, RowHash, TopK
 
 
 def _digest(key: object, depth: int) -> bytes:
     return blake3.blake3(repr(key).encode()).digest(4 * depth)
+
+
+def _positions(cms: CountMinSketch, key: object) -> list[int]:
+    """A key's cells the way a lookup value finds them (``RowHash``)."""
+    return RowHash(Anonymizer("k"), cms.width, cms.depth).positions(repr(key).encode())
 
 
 @settings(max_examples=100, deadline=None)
@@ -29,13 +34,16 @@ def _digest(key: object, depth: int) -> bytes:
 def test_cms_never_underestimates(keys: list[int], width: int, depth: int) -> None:
     cms = CountMinSketch(width, depth)
     exact = Counter()
+    # Odd keys find their cells as table names do, even ones as lookup values.
+    cells = {
+        k: _positions(cms, k) if k % 2 == 0 else cms.indexes(_digest(k, depth)) for k in set(keys)
+    }
     for k in keys:
-        d = _digest(k, depth)
-        estimate = cms.add_digest(d) if k % 2 else cms.add(cms.indexes(d))
+        estimate = cms.add(cells[k])
         exact[k] += 1
         assert estimate >= exact[k]
     for k, n in exact.items():
-        assert cms.estimate(cms.indexes(_digest(k, depth))) >= n
+        assert cms.estimate(cells[k]) >= n
     assert cms.total == len(keys)
 
 
@@ -45,12 +53,20 @@ def _zipf_stream(n: int, universe: int, s: float, seed: int) -> list[int]:
     return rng.choices(range(universe), weights=weights, k=n)
 
 
-def test_topk_recall_on_zipf() -> None:
+@pytest.mark.parametrize("hashing", ["table digest", "value rows"])
+def test_topk_recall_on_zipf(hashing: str) -> None:
     k, depth = 50, 4
     stream = _zipf_stream(200_000, 50_000, 1.1, seed=7)
     cms, top = CountMinSketch(2048, depth), TopK(k)
+    rows = RowHash(Anonymizer("k"), cms.width, depth)
+    cells = {
+        key: cms.indexes(_digest(key, depth))
+        if hashing == "table digest"
+        else rows.positions(b"t.c\0%d" % key)
+        for key in set(stream)
+    }
     for key in stream:
-        if top.offer(key, cms.add_digest(_digest(key, depth))):
+        if top.offer(key, cms.add(cells[key])):
             top.labels[key] = key
     exact = Counter(stream)
     truth = {key for key, _ in exact.most_common(k)}
@@ -65,7 +81,7 @@ def test_decay_halves_everything() -> None:
     cms, top = CountMinSketch(16, 2), TopK(2)
     d = _digest("x", 2)
     for _ in range(10):
-        top.offer("x", cms.add_digest(d))
+        top.offer("x", cms.add(cms.indexes(d)))
     top.labels["x"] = "x"
     cms.halve()
     top.halve()
@@ -112,7 +128,7 @@ def test_value_tokens_depend_on_the_key() -> None:
 def test_add_values_matches_add_value_one_by_one() -> None:
     rng = random.Random(7)
     literals = [str(int(rng.paretovariate(1.0))).encode() for _ in range(2_000)]
-    for depth in (4, 3):  # the unrolled default and the generic loop
+    for depth in (4, 3):
         one = HotData(Anonymizer("k"), top_k=10, width=64, depth=depth)
         many = HotData(Anonymizer("k"), top_k=10, width=64, depth=depth)
         for literal in literals:
@@ -142,6 +158,7 @@ def test_add_values_keeps_what_a_plain_cms_and_topk_keep(seed: int, depth: int, 
     anonymizer = Anonymizer("k")
     hot = HotData(anonymizer, top_k=top_k, width=32, depth=depth)
     cms, top = CountMinSketch(32, depth), TopK(top_k)
+    rows = RowHash(anonymizer, 32, depth)
     for drain in range(30):
         counts = Counter(
             b"t.c\0%d" % int(rng.paretovariate(0.8)) for _ in range(rng.randrange(1, 60))
@@ -149,7 +166,7 @@ def test_add_values_keeps_what_a_plain_cms_and_topk_keep(seed: int, depth: int, 
         hot.add_values(dict(counts))
         for key, count in counts.items():
             digest = anonymizer.digest(key, 32)
-            if top.offer(digest, cms.add_digest(digest[: 4 * depth], count)):
+            if top.offer(digest, cms.add(rows.positions(key), count)):
                 top.labels[digest] = key
         if drain % 7 == 6:  # decay now and then
             for part in (hot.values, hot.top_values, cms, top):
@@ -158,24 +175,58 @@ def test_add_values_keeps_what_a_plain_cms_and_topk_keep(seed: int, depth: int, 
     assert hot.top_values.counts == top.counts
 
 
-@pytest.mark.skipif(sketch._compiled_count_digests is None, reason="the extension was not built")
-@settings(max_examples=60, deadline=None)
+_P61 = (1 << 61) - 1
+
+
+@pytest.mark.skipif(sketch._compiled_count_keys is None, reason="the extension was not built")
+@settings(max_examples=80, deadline=None)
 @given(
-    values=st.lists(st.integers(min_value=0, max_value=300), min_size=0, max_size=200),
-    width=st.integers(min_value=1, max_value=64),
+    keys=st.lists(st.binary(max_size=40), max_size=120),
+    seeds=st.lists(st.integers(min_value=1, max_value=_P61 - 1), min_size=3, max_size=13).filter(
+        lambda seeds: len(seeds) % 2 == 1
+    ),
+    width=st.integers(min_value=1, max_value=5_000),
     floor=st.integers(min_value=-1, max_value=6),
 )
-def test_compiled_count_digests_says_what_the_python_one_says(
-    values: list[int], width: int, floor: int
+def test_compiled_count_keys_says_what_the_python_one_says(
+    keys: list[bytes], seeds: list[int], width: int, floor: int
 ) -> None:
-    counts = dict(Counter(b"t.c\0%d" % v for v in values))
-    hasher = Anonymizer("k").hasher()
+    counts = dict(Counter(keys))
+    depth = (len(seeds) - 1) // 2
     said = []
-    for count_digests in (sketch._py_count_digests, sketch._compiled_count_digests):
-        cells = array("q", bytes(8 * 4 * width))
+    for count_keys in (sketch._py_count_keys, sketch._compiled_count_keys):
+        cells = array("q", bytes(8 * depth * width))
         cells[0] = 3  # counts already there add up
-        said.append((count_digests(counts, hasher, cells, width, floor), cells))
+        said.append((count_keys(counts, array("Q", seeds), cells, width, floor), cells))
     assert said[0] == said[1]
+
+
+def test_row_hash_is_the_polynomial_then_one_affine_map_per_row() -> None:
+    rows = RowHash(Anonymizer("k"), 1_000, 2)
+    base, a0, b0, a1, b1 = rows.seeds
+    key = b"abcdefg"  # two words, the second zero-padded
+    h = (int.from_bytes(b"abcd", "little") * base + int.from_bytes(b"efg\0", "little")) * base + 7
+    h %= _P61
+    assert rows.positions(key) == [
+        (a0 * h + b0) % _P61 % 1_000,
+        1_000 + (a1 * h + b1) % _P61 % 1_000,
+    ]
+    # The cells depend on the key: another deployment's sketch puts values elsewhere.
+    other = RowHash(Anonymizer("another key"), 1_000, 2)
+    keys = [b"t.c\0%d" % i for i in range(50)]
+    assert [rows.positions(k) for k in keys] != [other.positions(k) for k in keys]
+
+
+def test_value_keys_are_bytes() -> None:
+    for count_keys in filter(None, (sketch._py_count_keys, sketch._compiled_count_keys)):
+        with pytest.raises(TypeError):
+            count_keys(
+                {"t.c\0text": 1},
+                RowHash(Anonymizer("k"), 4, 4).seeds,
+                array("q", bytes(8 * 16)),
+                4,
+                0,
+            )
 
 
 def test_add_values_without_the_extension_keeps_what_it_keeps_with_it(
@@ -187,8 +238,8 @@ def test_add_values_without_the_extension_keeps_what_it_keeps_with_it(
         for _ in range(40)
     ]
     kept = []
-    for count_digests in (sketch._count_digests, sketch._py_count_digests):
-        monkeypatch.setattr(sketch, "_count_digests", count_digests)
+    for count_keys in (sketch._count_keys, sketch._py_count_keys):
+        monkeypatch.setattr(sketch, "_count_keys", count_keys)
         hot = HotData(Anonymizer("k"), top_k=5, width=32)
         for counts in drains:
             hot.add_values(counts)
