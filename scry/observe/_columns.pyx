@@ -2,8 +2,7 @@
 """``scry.observe.columns`` compiled: a drained chunk's columns in one pass.
 
 The reference is the pure-Python ``py_group_columns`` / ``py_event_columns``
-/ ``py_chunk_variants`` / ``py_group_records`` there (and
-``fingerprint.py_count_span_values``); these take the same arguments and
+/ ``py_chunk_variants`` / ``py_group_records`` there; these take the same arguments and
 return equal values (tests/unit/test_observe_columns.py), except that
 ``group_columns`` gives its durations as ``array('q')``s where the twin gives
 lists. Why: in Python
@@ -24,11 +23,9 @@ from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_SetItem
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongLong, PyLong_CheckExact, PyLong_FromSsize_t
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.string cimport memcpy
 
 
 cdef extern from *:
@@ -328,31 +325,3 @@ def group_records(list variants, list batch):
         else:
             (<list>group).append(batch[i])
     return groups
-
-
-def count_span_values(list texts, tuple spans, dict counts):
-    """See ``scry.observe.columns.py_count_span_values``."""
-    cdef Py_ssize_t start, end, length, prefix_length, i, s, e
-    cdef PyObject* count
-    cdef bytes key
-    cdef char* out
-    for span in spans:
-        prefix, start, end = span
-        if not PyBytes_CheckExact(prefix) or start < 0 or end < 0:
-            raise TypeError("a span is (bytes prefix, start, end)")
-        prefix_length = PyBytes_GET_SIZE(prefix)
-        for i in range(len(texts)):
-            text = texts[i]
-            if not PyBytes_CheckExact(text):
-                raise TypeError("a record's text is bytes")
-            length = PyBytes_GET_SIZE(text)  # text[start:end], clamped as slicing does
-            s = start if start < length else length
-            e = end if end < length else length
-            if e < s:
-                e = s
-            key = PyBytes_FromStringAndSize(NULL, prefix_length + e - s)
-            out = PyBytes_AS_STRING(key)
-            memcpy(out, PyBytes_AS_STRING(prefix), prefix_length)
-            memcpy(out + prefix_length, PyBytes_AS_STRING(text) + s, e - s)
-            count = PyDict_GetItem(counts, key)
-            PyDict_SetItem(counts, key, 1 if count is NULL else <object>count + 1)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from operator import itemgetter
 from typing import Any
 
 import blake3
@@ -41,7 +40,6 @@ from pglast import ast
 from pglast.parser import ParseError
 
 from scry.observe.anonymize import Anonymizer
-from scry.observe.histogram import count_elements
 from scry.observe.lexer import (
     PLACEHOLDER,
     canonical,
@@ -137,26 +135,6 @@ class Variant:
     def matches(self, text: bytes) -> bool:
         """Whether ``text`` (with this variant key) passes the digit checks."""
         return self.checks is None or all(text[s:e] == d for s, e, d in self.checks)
-
-    def count_values(self, texts: list[bytes], counts: dict[bytes, int]) -> None:
-        """Add the hot lookup value keys of ``texts`` (all of this variant) to ``counts``."""
-        count_span_values(texts, self.spans, counts)
-
-
-def py_count_span_values(
-    texts: list[bytes], spans: tuple[tuple[bytes, int, int], ...], counts: dict[bytes, int]
-) -> None:
-    """Count ``prefix + text[start:end]`` of every text for every span
-    ``(prefix, start, end)`` into ``counts``, span by span."""
-    for prefix, start, end in spans:
-        count_elements(counts, map(prefix.__add__, map(itemgetter(slice(start, end)), texts)))
-
-
-try:  # the compiled twin (scry/observe/_columns.pyx), when it was built
-    from scry.observe._columns import count_span_values as _compiled_count_span_values
-except ImportError:
-    _compiled_count_span_values = None
-count_span_values = _compiled_count_span_values or py_count_span_values
 
 
 class VariantCache(dict[int, "Variant"]):

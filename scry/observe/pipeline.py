@@ -13,17 +13,18 @@ record:
    digits zeroed, hashed, one dict hit, giving the shape and where its hot
    lookup values sit); Python touches only the texts that missed the cache
    or need a digit check; records are grouped by variant
-   (``columns.group_records``), and lookup values counted (raw bytes, in a
-   dict local to the drain: ``fingerprint.count_span_values``);
+   (``columns.group_records``), each group's texts kept with the spans of
+   its hot lookup values;
 2. per shape group: the timings, rows and errors summed with builtins over
    the group (``map``/``sum``/``min``/``max``), the latency histogram counted
    in one compiled pass (``histogram.add_ns``: nothing is sorted), and one
    ``stats.StatsTable.add_group``;
 3. per database and per drain: the Prometheus histograms
    (``metrics.ObserveMetrics``), counted the same way;
-4. per distinct lookup value: its cells in the hot-value sketch
-   (``sketch.HotData.add_values``), and a keyed hash only for the few that
-   may enter its top-k; the raw values die with the drain;
+4. per lookup value: its cells in the hot-value sketch, hashed where it
+   sits in its text (``sketch.HotData.add_span_values``), and a keyed hash
+   only for the few that may enter the top-k; the raw values die with the
+   drain;
 5. only when someone listens: the proxy's query listeners (per record), and
    the events, when a sink or a live-tail subscriber wants them: one
    ``events.EventBlock`` per chunk built column-wise, in record order, pushed
@@ -300,12 +301,15 @@ class Observatory:
             {variants[0]: batch} if len(distinct) == 1 else group_records(variants, batch)
         )
         by_shape: dict[Shape, list[QueryRecord]] = {}
+        spanned: list[tuple[list[bytes], tuple[tuple[bytes, int, int], ...]]] = []
         for variant, recs in groups.items():
             if variant.spans:
-                variant.count_values(list(map(_TEXT, recs)), values)
+                spanned.append((list(map(_TEXT, recs)), variant.spans))
             same = by_shape.get(variant.shape)
             by_shape[variant.shape] = recs if same is None else same + recs
-        summary = _Summary(values, bool(self.query_listeners or self.query_batch_listeners))
+        summary = _Summary(
+            values, spanned, bool(self.query_listeners or self.query_batch_listeners)
+        )
         session_listened = bool(self.session_state_listeners)
         for shape, recs in by_shape.items():
             self._summarize_group(summary, shape, recs)
@@ -418,6 +422,8 @@ class Observatory:
                       total_us, queue_us, backend_us, min_us, max_us, hist)  # fmt: skip
             for table in shape.tables:
                 hot.add_table(table, n)
+        if summary.spanned:
+            hot.add_span_values(summary.spanned)
         if summary.values:
             hot.add_values(summary.values)
         metrics = self.metrics
@@ -581,6 +587,7 @@ class _Summary:
     __slots__ = (
         "groups",
         "values",
+        "spanned",
         "by_database",
         "queues",
         "acquires",
@@ -593,11 +600,19 @@ class _Summary:
         "events",
     )
 
-    def __init__(self, values: dict[bytes, int], listened: bool) -> None:
+    def __init__(
+        self,
+        values: dict[bytes, int],
+        spanned: list[tuple[list[bytes], tuple[tuple[bytes, int, int], ...]]],
+        listened: bool,
+    ) -> None:
         #: Per shape (and stats slot): the arguments of StatsTable.add_group.
         self.groups: list[tuple[Any, ...]] = []
-        #: Hot lookup value key -> count.
+        #: Hot lookup value key -> count, for texts whose values are not
+        #: where their variant's spans say (found when the text was parsed).
         self.values: dict[bytes, int] = values
+        #: (texts, the spans of their hot lookup values) per variant.
+        self.spanned = spanned
         #: database -> [errors, latencies (ns), sum of latencies (ns)].
         self.by_database: dict[str, list[Any]] = {}
         #: The chunk's queue, acquire and backend times (ns), and their sums.

@@ -116,12 +116,14 @@ _ROW_SEED_CONTEXT = b"scry hot data count-min rows v1"
 class RowHash:
     """Which cell a lookup value counts in, in each row of a sketch.
 
-    A polynomial hash of the value's bytes (its little-endian 32-bit words,
-    the last zero-padded, then its length) in a secret base modulo the prime
-    2**61 - 1, then one ``((a * h + b) mod p) mod width`` per row: the
-    pairwise-independent family Count-Min's bounds are proved for. Two
-    distinct values of n words share ``h`` with probability at most
-    (n + 1) / 2**61.
+    A polynomial hash of the key's bytes (``_fold``: little-endian 32-bit
+    words, the column prefix and the value each zero-padded, then the value's
+    length) in a secret base modulo the prime 2**61 - 1, then one ``((a * h +
+    b) mod p) mod width`` per row: the pairwise-independent family Count-Min's
+    bounds are proved for. Two distinct keys of at most n words share ``h``
+    with probability at most (n + 2) / 2**61. The prefix is a part of its own
+    so the drain can hash a value where it sits in a query text
+    (``count_spans``), carrying on from the prefix's polynomial.
 
     The base and each row's ``a, b`` come from the anonymization key, so the
     workers of one deployment put a value in the same cells (their sketches
@@ -157,10 +159,23 @@ class RowHash:
 
 
 def _fold(key: bytes, base: int) -> int:
-    h = 0
-    for (word,) in struct.iter_unpack("<I", key + bytes(-len(key) % 4)):
+    """The key's polynomial: 1, then the words of the key up to and with its
+    first NUL (the ``table.column`` prefix), then those of the rest (the
+    value), each part zero-padded to whole words, then the value's length."""
+    cut = key.find(b"\0") + 1 or len(key)
+    return _finish(
+        _fold_words(key[cut:], _fold_words(key[:cut], 1, base), base), len(key) - cut, base
+    )
+
+
+def _fold_words(data: bytes, h: int, base: int) -> int:
+    for (word,) in struct.iter_unpack("<I", data + bytes(-len(data) % 4)):
         h = (h * base + word) % _P61
-    return (h * base + len(key)) % _P61
+    return h
+
+
+def _finish(h: int, value_length: int, base: int) -> int:
+    return (h * base + value_length) % _P61
 
 
 def _row_positions(seeds: array[int], h: int, width: int) -> list[int]:
@@ -290,35 +305,51 @@ class HotData:
 
     def add_values(self, counts: dict[bytes, int]) -> None:
         """Count lookup values given as ``fingerprint.value_key`` -> count
-        (``b"table.column\0value"``; the pipeline adds up one drain's worth).
-        Each key finds its cells by ``RowHash``; only the few whose estimate
-        could enter the Top-K are hashed with the anonymization key, and only
-        that digest is kept."""
+        (``b"table.column\0value"``). Each key finds its cells by
+        ``RowHash``; only the few whose estimate could enter the Top-K are
+        hashed with the anonymization key, and only that digest is kept."""
         cms = self.values
+        floor = self.top_values.admission_floor()
+        self._offer(_count_keys(counts, self._rows.seeds, cms._counts, cms.width, floor))
+        cms.total += sum(counts.values())
+
+    def add_span_values(
+        self, spanned: list[tuple[list[bytes], tuple[tuple[bytes, int, int], ...]]]
+    ) -> None:
+        """Count the lookup value at each span ``(prefix, start, end)`` of
+        every text, for each ``(texts, spans)`` of ``spanned`` (the spans are
+        ``fingerprint.Variant.spans``: the key is ``prefix +
+        text[start:end]``), as ``add_values`` would count them, without
+        making a key for every value."""
+        cms = self.values
+        floor = self.top_values.admission_floor()
+        self._offer(_count_spans(spanned, self._rows.seeds, cms._counts, cms.width, floor))
+        cms.total += sum(len(texts) * len(spans) for texts, spans in spanned)
+
+    def _offer(self, candidates: dict[int, list[Any]]) -> None:
+        """Offer the Top-K the keys whose estimates might enter it
+        (``{h: [key, estimate]}``, ``h`` the key's ``RowHash`` polynomial)."""
+        if not candidates:
+            return
         top = self.top_values
         offer = top.offer
-        candidates = _count_keys(
-            counts, self._rows.seeds, cms._counts, cms.width, top.admission_floor()
-        )
-        if candidates:
-            # One keyed hasher, reset before each value (twice as fast as a
-            # copy of a fresh one: no 2 KB state to clone).
-            hasher = self._hasher
-            reset, update, finish = hasher.reset, hasher.update, hasher.digest
+        # One keyed hasher, reset before each value (twice as fast as a copy
+        # of a fresh one: no 2 KB state to clone).
+        hasher = self._hasher
+        reset, update, finish = hasher.reset, hasher.update, hasher.digest
+        floor = top.floor()
+        for h, (key, estimate) in candidates.items():
+            # At or under the floor the key cannot be one the table keeps
+            # (a kept key's estimate never falls below what the table holds
+            # for it, and that is at least the floor): not admitted.
+            if floor is not None and estimate <= floor:
+                continue
+            reset()
+            update(key)
+            digest = finish()
+            if offer(digest, estimate):
+                top.labels[digest] = self._value_label(key, digest, h)
             floor = top.floor()
-            for key, estimate, h in candidates:
-                # At or under the floor the key cannot be one the table keeps
-                # (a kept key's estimate never falls below what the table
-                # holds for it, and that is at least the floor): not admitted.
-                if floor is not None and estimate <= floor:
-                    continue
-                reset()
-                update(key)
-                digest = finish()
-                if offer(digest, estimate):
-                    top.labels[digest] = self._value_label(key, digest, h)
-                floor = top.floor()
-        cms.total += sum(counts.values())
 
     @staticmethod
     def _value_label(key: bytes, digest: bytes, h: int) -> tuple[str, str, int]:
@@ -365,37 +396,82 @@ class HotData:
 
 def _py_count_keys(
     counts: dict[bytes, int], seeds: array[int], cells: array[int], width: int, floor: int
-) -> list[tuple[bytes, int, int]]:
+) -> dict[int, list[Any]]:
     """The reference of ``scry.observe._hot.count_keys``: add each key's
     count to its cell in each row of ``cells`` (``RowHash`` with ``seeds``)
-    and return ``[(key, estimate)]`` for the keys whose estimate is above
-    ``floor``, with each key's polynomial (``RowHash.cells``)."""
+    and return ``{h: [key, estimate]}`` for the keys whose estimate is above
+    ``floor``, ``h`` being the key's polynomial (``RowHash.cells``)."""
+    _check_shape(seeds, cells, width)
+    candidates = {}
+    for key, count in counts.items():
+        if type(key) is not bytes:
+            raise TypeError("a lookup value's key is bytes")
+        h = _fold(key, seeds[0])
+        estimate = _add_count(h, count, seeds, cells, width)
+        if estimate > floor:
+            candidates[h] = [key, estimate]
+    return candidates
+
+
+def _py_count_spans(
+    spanned: list[tuple[list[bytes], tuple[tuple[bytes, int, int], ...]]],
+    seeds: array[int],
+    cells: array[int],
+    width: int,
+    floor: int,
+) -> dict[int, list[Any]]:
+    """The reference of ``scry.observe._hot.count_spans``: ``_py_count_keys``
+    of ``prefix + text[start:end]`` for every span of every text of every
+    ``(texts, spans)``, one at a time, span by span; a key met again keeps
+    its latest estimate."""
+    _check_shape(seeds, cells, width)
+    base = seeds[0]
+    candidates: dict[int, list[Any]] = {}
+    for texts, spans in spanned:
+        for prefix, start, end in spans:
+            if type(prefix) is not bytes or start < 0 or end < 0:
+                raise TypeError("a span is (bytes prefix, start, end)")
+            if not prefix or prefix.find(b"\0") != len(prefix) - 1:
+                raise ValueError("a span's prefix ends in its only NUL")
+            h_prefix = _fold_words(prefix, 1, base)
+            for text in texts:
+                if type(text) is not bytes:
+                    raise TypeError("a record's text is bytes")
+                value = text[start:end]
+                h = _finish(_fold_words(value, h_prefix, base), len(value), base)
+                estimate = _add_count(h, 1, seeds, cells, width)
+                if estimate > floor:
+                    if h in candidates:
+                        candidates[h][1] = estimate
+                    else:
+                        candidates[h] = [prefix + value, estimate]
+    return candidates
+
+
+def _check_shape(seeds: array[int], cells: array[int], width: int) -> None:
     if not (len(seeds) >= 3 and len(seeds) % 2 == 1):
         raise ValueError("seeds are a base and two numbers per row")
     if width <= 0 or len(cells) < (len(seeds) - 1) // 2 * width:
         raise ValueError("cells must hold depth rows of width counters")
-    base = seeds[0]
-    candidates = []
-    for key, count in counts.items():
-        if type(key) is not bytes:
-            raise TypeError("a lookup value's key is bytes")
-        h = _fold(key, base)
-        estimate = None
-        for i in _row_positions(seeds, h, width):
-            cells[i] = cell = cells[i] + count
-            if estimate is None or cell < estimate:
-                estimate = cell
-        if estimate > floor:
-            candidates.append((key, estimate, h))
-    return candidates
 
 
-try:  # the compiled twin, built by setup.py when a C compiler is at hand
+def _add_count(h: int, count: int, seeds: array[int], cells: array[int], width: int) -> int:
+    estimate = None
+    for i in _row_positions(seeds, h, width):
+        cells[i] = cell = cells[i] + count
+        if estimate is None or cell < estimate:
+            estimate = cell
+    return estimate
+
+
+try:  # the compiled twins, built by setup.py when a C compiler is at hand
     from scry.observe._hot import count_keys as _compiled_count_keys
+    from scry.observe._hot import count_spans as _compiled_count_spans
 except ImportError:
-    _compiled_count_keys = None
+    _compiled_count_keys = _compiled_count_spans = None
 
 _count_keys = _compiled_count_keys or _py_count_keys
+_count_spans = _compiled_count_spans or _py_count_spans
 
 
 def table_digest(table: str, length: int) -> bytes:

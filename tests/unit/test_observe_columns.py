@@ -158,26 +158,6 @@ def test_chunk_variants_and_groups_say_what_the_python_ones_say(
     )
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    texts=st.lists(st.binary(max_size=30), max_size=20),
-    spans=st.lists(
-        st.tuples(
-            st.sampled_from([b"t.id\0", b"t.name\0", b""]), st.integers(0, 35), st.integers(0, 35)
-        ),
-        max_size=3,
-    ),
-)
-def test_span_values_are_counted_as_the_python_twin_counts_them(
-    texts: list[bytes], spans: list[tuple[bytes, int, int]]
-) -> None:
-    compiled: dict[bytes, int] = {b"t.id\x001": 2}
-    python = dict(compiled)
-    fingerprint._compiled_count_span_values(texts, tuple(spans), compiled)
-    fingerprint.py_count_span_values(texts, tuple(spans), python)
-    assert compiled == python and list(compiled) == list(python)
-
-
 def test_what_is_not_a_chunk_of_records_is_refused_by_both() -> None:
     not_bytes = [(CONTEXTS[0], "SELECT 1", 0, 0, 0, 0, 5, None, None)]
     for walk in (columns._compiled_chunk_variants, columns.py_chunk_variants):
@@ -186,6 +166,3 @@ def test_what_is_not_a_chunk_of_records_is_refused_by_both() -> None:
     for group in (columns._compiled_group_records, columns.py_group_records):
         with pytest.raises(ValueError):
             group([1, 2], [()])
-    for count in (fingerprint._compiled_count_span_values, fingerprint.py_count_span_values):
-        with pytest.raises(TypeError):
-            count(["text"], ((b"t.id\0", 0, 2),), {})

@@ -197,16 +197,90 @@ def test_compiled_count_keys_says_what_the_python_one_says(
     for count_keys in (sketch._py_count_keys, sketch._compiled_count_keys):
         cells = array("q", bytes(8 * depth * width))
         cells[0] = 3  # counts already there add up
-        said.append((count_keys(counts, array("Q", seeds), cells, width, floor), cells))
+        found = count_keys(counts, array("Q", seeds), cells, width, floor)
+        said.append((list(found.items()), cells))
     assert said[0] == said[1]
+
+
+_SPANS = st.lists(
+    st.tuples(
+        st.sampled_from([b"t.id\0", b"t.name\0", b"\0", b"pgbench_accounts.aid\0"]),
+        st.integers(0, 35),
+        st.integers(0, 35),
+    ),
+    max_size=3,
+).map(tuple)
+
+
+@pytest.mark.skipif(sketch._compiled_count_spans is None, reason="the extension was not built")
+@settings(max_examples=100, deadline=None)
+@given(
+    texts=st.lists(st.binary(max_size=30), max_size=40),
+    spans=_SPANS,
+    width=st.integers(min_value=1, max_value=64),
+    floor=st.integers(min_value=-1, max_value=4),
+)
+def test_compiled_count_spans_says_what_the_python_one_says(
+    texts: list[bytes], spans: tuple[tuple[bytes, int, int], ...], width: int, floor: int
+) -> None:
+    seeds = RowHash(Anonymizer("k"), width, 3).seeds
+    said = []
+    for count_spans in (sketch._py_count_spans, sketch._compiled_count_spans):
+        cells = array("q", bytes(8 * 3 * width))
+        found = count_spans([(texts, spans), (texts[::2], spans)], seeds, cells, width, floor)
+        said.append((list(found.items()), cells))
+    assert said[0] == said[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(st.binary(max_size=30), max_size=40), spans=_SPANS)
+def test_span_values_count_as_their_keys_do(
+    texts: list[bytes], spans: tuple[tuple[bytes, int, int], ...]
+) -> None:
+    """A value hashed where it sits in its text lands in the cells its key
+    (``prefix + text[start:end]``) does, and the top values agree."""
+    by_span = HotData(Anonymizer("k"), top_k=4, width=16, depth=3)
+    by_key = HotData(Anonymizer("k"), top_k=4, width=16, depth=3)
+    by_span.add_span_values([(texts, spans), (texts[1:], spans[:1])])
+    by_key.add_values(
+        dict(
+            Counter(p + t[s:e] for p, s, e in spans for t in texts)
+            + Counter(p + t[s:e] for p, s, e in spans[:1] for t in texts[1:])
+        )
+    )
+    assert by_span.values._counts == by_key.values._counts
+    assert by_span.values.total == by_key.values.total
+    for hot in (by_span, by_key):  # every kept value at least as counted
+        for (_column, _token, h), estimate in hot.top_values.items():
+            assert estimate <= hot.values.estimate(hot._rows.cells(h))
+
+
+def test_what_is_not_a_span_is_refused_by_both() -> None:
+    seeds = RowHash(Anonymizer("k"), 4, 2).seeds
+    for count_spans in filter(None, (sketch._py_count_spans, sketch._compiled_count_spans)):
+        for texts, spans, error in (
+            (["text"], ((b"t.id\0", 0, 2),), TypeError),
+            ([b"text"], (("t.id\0", 0, 2),), TypeError),
+            ([b"text"], ((b"t.id\0", -1, 2),), TypeError),
+            ([b"text"], ((b"t.id", 0, 2),), ValueError),  # no NUL
+            ([b"text"], ((b"t\0id\0", 0, 2),), ValueError),  # two
+        ):
+            with pytest.raises(error):
+                count_spans([(texts, spans)], seeds, array("q", bytes(8 * 8)), 4, 0)
 
 
 def test_row_hash_is_the_polynomial_then_one_affine_map_per_row() -> None:
     rows = RowHash(Anonymizer("k"), 1_000, 2)
     base, a0, b0, a1, b1 = rows.seeds
-    key = b"abcdefg"  # two words, the second zero-padded
-    h = (int.from_bytes(b"abcd", "little") * base + int.from_bytes(b"efg\0", "little")) * base + 7
-    h %= _P61
+
+    def words(data: bytes) -> list[int]:
+        data += bytes(-len(data) % 4)
+        return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
+
+    key = b"t.c\0abcdefg"  # the prefix one word, the value two (zero-padded)
+    h = 1
+    for word in [*words(b"t.c\0"), *words(b"abcdefg"), 7]:
+        h = (h * base + word) % _P61
     assert rows.positions(key) == [
         (a0 * h + b0) % _P61 % 1_000,
         1_000 + (a1 * h + b1) % _P61 % 1_000,
