@@ -131,9 +131,9 @@ class RowHash:
     guessed value would touch. (It is not a PRF: someone who can both send
     queries and read the admin API might learn the seeds from where chosen
     values land; but they can already test a guess by sending it and
-    comparing its hot-value token.) Hashing every value with keyed Blake3 instead
-    (its digest's words as the rows) cost 0.23 µs of the drain's ~0.5 per
-    pgbench record; this costs a few multiplications.
+    comparing its hot-value token.) Hashing every value with keyed Blake3
+    instead (its digest's words as the rows) cost 0.23 µs of the drain's
+    ~0.5 per pgbench record; this costs a few multiplications.
     """
 
     __slots__ = ("seeds", "width", "depth")
