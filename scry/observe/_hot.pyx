@@ -154,7 +154,7 @@ def count_spans(
     cdef PyObject* found
     for group in spanned:
         texts, spans = group
-        for span in <tuple?>spans:
+        for span in spans:
             prefix, start, end = span
             if not PyBytes_CheckExact(prefix) or start < 0 or end < 0:
                 raise TypeError("a span is (bytes prefix, start, end)")

@@ -136,7 +136,7 @@ class RowHash:
     ~0.5 per pgbench record; this costs a few multiplications.
     """
 
-    __slots__ = ("seeds", "width", "depth")
+    __slots__ = ("seeds", "width")
 
     def __init__(self, anonymizer: Anonymizer, width: int, depth: int) -> None:
         words = struct.unpack(
@@ -145,9 +145,8 @@ class RowHash:
         seeds = [words[0] % (_P61 - 1) + 1]  # the base: not 0
         for a, b in zip(words[1::2], words[2::2], strict=True):
             seeds += (a % (_P61 - 1) + 1, b % _P61)  # a: not 0
-        self.seeds = array("Q", seeds)
+        self.seeds = array("Q", seeds)  # (the depth is how many a, b pairs)
         self.width = width
-        self.depth = depth
 
     def positions(self, key: bytes) -> list[int]:
         """The key's cell in each row, as positions in the sketch's cells."""
