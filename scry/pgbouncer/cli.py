@@ -182,7 +182,7 @@ async def serve(config, warnings: list[str]) -> int:  # type: ignore[no-untyped-
     """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
     from scry.pgbouncer.console import reload_pgbouncer_config, state_for
     from scry.pgbouncer.ini import IniError
-    from scry.proxy import Proxy
+    from scry.proxy import Proxy, freeze_startup_heap
 
     proxy = Proxy(config, None)
     state = state_for(proxy)
@@ -204,6 +204,7 @@ async def serve(config, warnings: list[str]) -> int:  # type: ignore[no-untyped-
     except OSError as exc:
         event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
         return 1
+    freeze_startup_heap()
     stops = {"count": 0}
 
     def stop(signame: str, wait_for_clients: bool) -> None:
