@@ -23,9 +23,9 @@ proxy's health listener fed per record::
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -275,5 +275,10 @@ def _time_calls(obs: Observatory, records: list[tuple]) -> float:
 
 
 if __name__ == "__main__":
-    bench(int(sys.argv[1]) if len(sys.argv) > 1 else 50_000)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("records", nargs="?", type=int, default=50_000, help="records per run")
+    bench(parser.parse_args().records)
     asyncio.run(asyncio.sleep(0))
