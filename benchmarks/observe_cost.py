@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from steps import DEFAULT_COLD_KIB  # type: ignore[import-not-found]
+from steps import DEFAULT_COLD_KIB, CacheEvictor  # type: ignore[import-not-found]
 
 from scry import workload
 from scry.config import ObservabilityConfig
@@ -279,8 +279,7 @@ def bench(n: int) -> None:
 
 def bench_cold(cold_kib: int) -> None:
     """Median CPU per drain of a chunk of pgbench records, caches evicted first."""
-    junk = bytearray(cold_kib << 10)
-    zeros = bytes(len(junk) // 64)
+    evict = CacheEvictor(cold_kib)
     print(f"pgbench, one drain per chunk, caches evicted ({cold_kib} KiB) before each")
     for label, sink in (("no events", None), ("events encoded", _CountingSink())):
         for size in (50, 200, 700, 2_000):
@@ -306,7 +305,7 @@ def bench_cold(cold_kib: int) -> None:
                 for k in range(rounds):
                     obs._records.extend(chunks[k])
                     chunks[k] = []
-                    junk[::64] = zeros  # one write per cache line
+                    evict()
                     t = time.thread_time_ns()
                     obs.drain()
                     ring = obs.ring

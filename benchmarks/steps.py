@@ -30,12 +30,22 @@ def cold_kib_from_argv(argv: list[str]) -> int:
     return 0
 
 
+class CacheEvictor:
+    """Called, writes ``cold_kib`` KiB of memory: one write per cache line."""
+
+    def __init__(self, cold_kib: int) -> None:
+        self._junk = bytearray(cold_kib << 10)
+        self._zeros = bytes(len(self._junk) // 64)
+
+    def __call__(self) -> None:
+        self._junk[::64] = self._zeros
+
+
 class Steps:
     def __init__(self, names: list[str], cold_kib: int = 0) -> None:
         self.names = names
         self.cold_kib = cold_kib
-        self._junk = bytearray(cold_kib << 10) if cold_kib else None
-        self._zeros = bytes(len(self._junk) // 64) if self._junk is not None else b""
+        self._evict = CacheEvictor(cold_kib) if cold_kib else None
         self.reset()
 
     def reset(self) -> None:
@@ -46,10 +56,10 @@ class Steps:
     def run(self, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
         """The next steps of an exchange: each (callback, args) in order, one
         step each; a round ends with the last named step."""
-        junk, zeros, ns, clock = self._junk, self._zeros, self.ns, time.thread_time_ns
+        evict, ns, clock = self._evict, self.ns, time.thread_time_ns
         for call, args in calls:
-            if junk is not None:
-                junk[::64] = zeros  # one write per cache line
+            if evict is not None:
+                evict()
             t = clock()
             call(*args)
             ns[self._next] += clock() - t
