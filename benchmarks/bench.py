@@ -330,7 +330,7 @@ class PgBouncerTarget(Target):
         )
 
     def start(self) -> None:
-        self.dir.mkdir(mode=0o755)
+        self.dir.mkdir(mode=0o755, exist_ok=True)  # (again on --restart-every)
         self.port = free_port()
         ini = self.dir / "pgbouncer.ini"
         lines = [
@@ -1060,6 +1060,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="seconds of warm-up per target (0: none)")
     p.add_argument("--pause", type=float, default=1.0, help="seconds of rest between runs")
     p.add_argument(
+        "--restart-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start every proxy afresh (and warm it up again) every N rounds, so that the "
+        "same-round ratios span several processes of each target, not one (0: never)",
+    )
+    p.add_argument(
         "--run-timeout-slack", type=int, default=60, help="a run is killed after duration + this"
     )
     p.add_argument(
@@ -1080,6 +1088,37 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C or SIGTERM instead of running pgbench (for profilers: perf, py-spy, strace)",
     )
     return p
+
+
+def warm_up(bench: Bench, targets: list[Target], seconds: int) -> None:
+    """A short select-only run against each target, not counted."""
+    if seconds <= 0:
+        return
+    scenario = Scenario("warmup", "warm-up", ["-S", "-M", "simple", "-c", "10"], 10, False)
+    for t in targets:
+        if t.broken is not None:
+            continue
+        r = bench.run(t, scenario, 0, seconds)
+        if not r.ok:
+            t.broken = f"warm-up failed: {r.error}"
+            log(f"!! {t.label}: {t.broken}\n{tail(t.log_path) if t.log_path else ''}")
+        else:
+            log(f"  warm-up {t.label:<12} {fmt(r.tps)} tps")
+
+
+def restart(targets: list[Target]) -> None:
+    """--restart-every: each proxy stopped and started again, a new process."""
+    for t in targets:
+        if t.broken is not None or t.kind == "direct":
+            continue
+        t.stop()
+        try:
+            t.start()
+        except RuntimeError as exc:
+            t.broken = str(exc)
+            log(f"!! {exc}")
+            continue
+        log(f"  restarted {t.label:<12} {HOST}:{t.port}  pid {t.pid}")
 
 
 def hold(targets: list[Target], pg_port: int) -> None:
@@ -1266,31 +1305,19 @@ def main(argv: list[str] | None = None) -> int:
             "scenarios": [asdict(s) for s in scenarios],
         }
         live = [t for t in targets if t.broken is None]
-        est = (
-            args.rounds * len(scenarios) * len(live) * (args.duration + args.pause)
-            + len(live) * args.warmup
-        )
+        restarts = (args.rounds - 1) // args.restart_every if args.restart_every > 0 else 0
+        runs = args.rounds * len(scenarios) * len(live) * (args.duration + args.pause)
+        est = runs + len(live) * args.warmup * (1 + restarts)
         log(
             f"{len(scenarios)} scenarios × {len(live)} targets × {args.rounds} rounds × {args.duration}s "
             f"≈ {est / 60:.1f} min (load average now {os.getloadavg()[0]:.2f})"
         )
         try:
-            if args.warmup > 0:
-                for t in live:
-                    r = bench.run(
-                        t,
-                        Scenario(
-                            "warmup", "warm-up", ["-S", "-M", "simple", "-c", "10"], 10, False
-                        ),
-                        0,
-                        args.warmup,
-                    )
-                    if not r.ok:
-                        t.broken = f"warm-up failed: {r.error}"
-                        log(f"!! {t.label}: {t.broken}\n{tail(t.log_path) if t.log_path else ''}")
-                    else:
-                        log(f"  warm-up {t.label:<12} {fmt(r.tps)} tps")
+            warm_up(bench, live, args.warmup)
             for rnd in range(1, args.rounds + 1):
+                if args.restart_every and rnd > 1 and (rnd - 1) % args.restart_every == 0:
+                    restart(live)
+                    warm_up(bench, live, args.warmup)
                 for sc in scenarios:
                     k = (rnd - 1) % len(targets)
                     for t in targets[k:] + targets[:k]:  # rotate order per round

@@ -1,7 +1,9 @@
-"""benchmarks/bench.py --hold: everything up for a profiler, then gone on SIGTERM."""
+"""benchmarks/bench.py end to end: --hold serves a profiler until SIGTERM and cleans
+up; --restart-every measures on fresh processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -78,3 +80,29 @@ def test_hold_serves_until_sigterm_then_cleans_up() -> None:
     for stopped in (port, pg_port):  # scry and PostgreSQL both
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", stopped), timeout=2).close()
+
+
+def test_restart_every_runs_each_round_on_a_new_process(tmp_path: Path) -> None:
+    """--restart-every 1: round 2 is measured on another scry process than round 1."""
+    out_json = tmp_path / "runs.json"
+    done = subprocess.run(
+        [
+            sys.executable, str(BENCH), "--targets", "scry", "--scale", "1",
+            "--scenarios", "S2", "--rounds", "2", "-T", "1", "--warmup", "1", "--pause", "0",
+            "--restart-every", "1", "--plain", "--json", str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    started = re.search(r"^\s+scry\s+127\.0\.0\.1:\d+\s+pid (\d+)", done.stderr, re.M)
+    restarted = re.findall(r"^\s+restarted scry\s+127\.0\.0\.1:\d+\s+pid (\d+)", done.stderr, re.M)
+    assert started and len(restarted) == 1, done.stderr
+    assert restarted[0] != started[1]
+    assert not _alive(int(started[1]))
+    warmups = re.findall(r"^\s+warm-up scry\s", done.stderr, re.M)
+    assert len(warmups) == 2, done.stderr  # once at the start, once after the restart
+    runs = json.loads(out_json.read_text())["runs"]
+    assert [(r["round"], r["ok"]) for r in runs] == [(1, True), (2, True)]
