@@ -178,7 +178,7 @@ class _CountingSink:
 
 def _drain_all(obs: Observatory, records: list[tuple]) -> float:
     """µs of CPU per record to drain ``records`` in drain-sized chunks."""
-    obs._records.extend(records)
+    obs.queue.extend(records)
     t = time.process_time()
     while obs.drain(DRAIN_CHUNK):
         pass
@@ -200,7 +200,7 @@ def bench_workload(name: str, records: list[tuple], tmp: Path) -> None:
     def drain_and_ship() -> float:
         ring = with_events.ring
         ring.take_block(len(ring))
-        with_events._records.extend(records)
+        with_events.queue.extend(records)
         t = time.process_time()
         while with_events.drain(DRAIN_CHUNK):
             # What the shipper does: batches of events.batch_size (100)
@@ -243,10 +243,10 @@ def bench_workload(name: str, records: list[tuple], tmp: Path) -> None:
 def bench(n: int) -> None:
     pgbench = pgbench_records(n)
     obs = Observatory(ObservabilityConfig())
-    obs._records.clear()
+    obs.queue.clear()
 
     def record_only() -> float:
-        obs._records.clear()
+        obs.queue.clear()
         t = time.process_time()
         rec = obs.record
         for r in pgbench:
@@ -261,7 +261,7 @@ def bench(n: int) -> None:
         bench_workload("mixed", mixed_records(n), Path(tmp))
         for name, events in (("pgbench", pgbench[:500]), ("mixed", mixed_records(500))):
             drained = Observatory(ObservabilityConfig(), sink=_CountingSink())
-            drained._records.extend(events)
+            drained.queue.extend(events)
             drained.drain()
             block = drained.ring.take_block(500)
             for size in (BATCH_SIZE, 500):
@@ -292,7 +292,7 @@ def bench_cold(cold_kib: int) -> None:
                 for k in range(rounds)
             ]
             obs = Observatory(ObservabilityConfig(), sink=sink, drain_chunk=size)
-            obs._records.extend(pgbench_records(size))
+            obs.queue.extend(pgbench_records(size))
             obs.drain()  # parse the shape once
             ring = obs.ring
             times = []
@@ -301,7 +301,7 @@ def bench_cold(cold_kib: int) -> None:
             gc.disable()
             try:
                 for k in range(rounds):
-                    obs._records.extend(chunks[k])
+                    obs.queue.extend(chunks[k])
                     chunks[k] = []
                     evict()
                     t = time.thread_time_ns()

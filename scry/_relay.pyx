@@ -766,7 +766,8 @@ cdef class ServerCore:
     """The per-message fields of a server connection, and its fast path."""
 
     cdef public object state, transport, statements, sqlstate, breaker, last_tag, observe, pool
-    cdef public object _scanner, applied
+    cdef public object _scanner, applied, observed_queue, wake_drain
+    cdef public Py_ssize_t drain_at
     cdef bytes _tag_seen
     cdef public ClientCore client
     cdef public PoolStats stats
@@ -929,6 +930,8 @@ cdef class ServerCore:
                  client.pins)
             )
         )
+        if len(self.observed_queue) == self.drain_at:
+            self.wake_drain()
 
     cdef void _ready_fast(self, ClientCore client) except *:
         """ClientConnection.on_server_ready: give the server back if pooling allows."""

@@ -188,9 +188,9 @@ class PyServerCore:
 
     __slots__ = (
         "_scanner", "applied", "breaker", "busy_since", "cancels_pending", "client", "copy",
-        "desynced", "last_tag", "last_used", "observe", "paused_by_client", "pending", "pool",
-        "ready_at", "retire", "sqlstate", "state", "statements", "stats", "swallow",
-        "transport", "tx_status", "xact_mark",
+        "desynced", "drain_at", "last_tag", "last_used", "observe", "observed_queue",
+        "paused_by_client", "pending", "pool", "ready_at", "retire", "sqlstate", "state",
+        "statements", "stats", "swallow", "transport", "tx_status", "wake_drain", "xact_mark",
     )  # fmt: skip
 
 

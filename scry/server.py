@@ -177,7 +177,12 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         # SHOW STATS: where the current transaction began (0.0: none open).
         self.stats = pool.stats
         self.xact_mark = 0.0
-        self.observe = pool.proxy.observatory.record
+        observatory = pool.proxy.observatory
+        self.observe = observatory.record
+        # The queue behind observe, to wake the drain at its drain_at-th record.
+        self.observed_queue = observatory.queue
+        self.drain_at = observatory.drain_at
+        self.wake_drain = observatory.wake_drain
         self.last_tag = b""  # CommandComplete tag of the statement running now
         self.sqlstate: str | None = None  # its ErrorResponse code, if any
 
@@ -561,6 +566,8 @@ class ServerConnection(ServerCore, asyncio.Protocol):
             (client.context, text, t_received, t_acquired, t_acquired, t_done, tag, sqlstate,
              client.pins)
         )  # fmt: skip
+        if len(self.observed_queue) == self.drain_at:
+            self.wake_drain()
 
     def _idle_data(self, data: bytes) -> None:
         # An idle backend may still send asynchronous messages (NOTICE on

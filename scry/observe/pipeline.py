@@ -2,11 +2,11 @@
 
 The proxy calls exactly one thing per statement, ``observatory.record(rec)``
 (a bounded deque append; see ``scry.observe.record`` for the tuple). A
-background task looks at the deque every ``drain_interval`` seconds and
-drains it when ``drain_at`` records wait or ``drain_max_wait`` seconds have
-passed since it last did, in chunks so one drain never holds the event loop
-long. The drain shares the proxy's CPU, so it works per *chunk*, not per
-record:
+background task drains the deque when ``drain_at`` records wait (the server
+that appends the one that makes ``drain_at`` calls ``wake_drain``) or
+``drain_max_wait`` seconds have passed since it last did, in chunks so one
+drain never holds the event loop long. The drain shares the proxy's CPU, so
+it works per *chunk*, not per record:
 
 1. per chunk, in one compiled walk (``columns.chunk_variants``; no Python
    loop per record): each text's variant (``fingerprint.Fingerprinter``:
@@ -82,7 +82,6 @@ class Observatory:
         *,
         sink: Sink | None = None,
         max_records: int = 100_000,
-        drain_interval: float = 0.03,
         drain_at: int = 500,
         drain_max_wait: float = 0.1,
         drain_chunk: int = 1_000,
@@ -141,11 +140,11 @@ class Observatory:
         # oldest beyond it; the deque's own bound, ten chunks more (what
         # 100,000 statements a second bring between two drains), only holds
         # memory if the drain ever stopped (drops past it go uncounted).
-        self._records: deque[QueryRecord] = deque(maxlen=max_records + 10 * drain_chunk)
+        self.queue: deque[QueryRecord] = deque(maxlen=max_records + 10 * drain_chunk)
         self._max_records = max_records
-        # The drain task looks every drain_interval, and drains when drain_at
-        # records wait or drain_max_wait has passed since its last drain.
-        self.drain_interval = drain_interval
+        # The drain task drains when drain_at records wait (woken by the
+        # server that queued the drain_at-th, see wake_drain) or drain_max_wait
+        # has passed since its last drain.
         self.drain_at = drain_at
         self.drain_max_wait = drain_max_wait
         self.drain_chunk = drain_chunk
@@ -153,6 +152,7 @@ class Observatory:
         # Records carry perf_counter_ns readings; this turns them into wall time.
         self._wall_offset = clock() - perf_counter_ns() / 1e9
         self._task: asyncio.Task[None] | None = None
+        self._drain_waiter: asyncio.Future[None] | None = None
         self._tag_rows = _TagRows()
         self._dropped = 0
         #: Records that raised while being processed (a bug, but never fatal).
@@ -160,7 +160,7 @@ class Observatory:
         self.records_processed = 0
         # The hot path's one call per statement, bound straight to the C
         # append (a Python method here cost the proxy 55 ns a statement more).
-        self.record = self._records.append if self.enabled else _discard  # type: ignore[method-assign]
+        self.record = self.queue.append if self.enabled else _discard  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ #
     # The hot path
@@ -169,13 +169,13 @@ class Observatory:
     def record(self, rec: QueryRecord) -> None:
         """Queue one completed statement (the only per-query call). Each
         instance replaces this with its deque's ``append``."""
-        self._records.append(rec)
+        self.queue.append(rec)
 
     @property
     def records_dropped(self) -> int:
         """Records lost because the drain fell behind by ``max_records``
         (the oldest go; counted when they are dropped or would be)."""
-        return self._dropped + max(0, len(self._records) - self._max_records)
+        return self._dropped + max(0, len(self.queue) - self._max_records)
 
     # ------------------------------------------------------------------ #
     # The background drain
@@ -202,33 +202,37 @@ class Observatory:
         for subscription in list(self._subscribers):
             subscription.close()
 
+    def wake_drain(self) -> None:
+        """``drain_at`` records wait: drain now, not at ``drain_max_wait``.
+        Called by the server that queued the ``drain_at``-th record (one
+        ``len`` of the deque a statement there; nothing here per statement)."""
+        if self._drain_waiter is not None:
+            _settle(self._drain_waiter)
+
     async def _drain_loop(self) -> None:
-        # Polling on purpose: waking an Event from record() would cost the
-        # hot path a call per statement. A drain costs a fixed part (live,
-        # with the drain's code and data out of the CPU's caches: ~150 µs at
-        # pgbench -C) and a part per record that grows as the records age in
-        # the queue. So at a high rate it drains as soon as it looks (every
-        # 30 ms: at 10 clients, user CPU per statement was 3.26 µs with a
-        # drain every 100 ms, 2.88 every 30 ms), and at a low rate it lets
-        # records gather for up to 100 ms (at -C, 116 records a drain cost
-        # 3.5 µs each, 330 records 2.6 µs). Measurements: docs/benchmarks.md.
-        clock = asyncio.get_running_loop().time
-        drained_at = clock()
+        # Woken, not polling. Under load wake_drain comes first (500 records
+        # are ~40 ms at 12,000 statements a second) and the drain_max_wait
+        # timer never fires; it only drains a low rate's few records. Polling
+        # cost tps: a bare 30 ms sleep loop added to a proxy with
+        # observability off ran pgbench -S -c 50 at 0.90x of it, a 1 s one at
+        # 0.96x (docs/benchmarks.md, session 29). Waiting for drain_at records
+        # spreads a drain's fixed cost (sessions 18-22 there).
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.drain_interval)
-            if not self._drain_due(clock() - drained_at):
-                continue
-            drained_at = clock()
+            if len(self.queue) < self.drain_at:
+                waiter = self._drain_waiter = loop.create_future()
+                timer = loop.call_later(self.drain_max_wait, _settle, waiter)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+                    self._drain_waiter = None
             while self.drain(self.drain_chunk) == self.drain_chunk:  # noqa: ASYNC110
                 await asyncio.sleep(0)  # let queries through between chunks
 
-    def _drain_due(self, since_last: float) -> bool:
-        """Drain now, ``since_last`` seconds after the last drain?"""
-        return len(self._records) >= self.drain_at or since_last >= self.drain_max_wait
-
     def drain(self, limit: int | None = None) -> int:
         """Process up to ``limit`` queued records now; returns how many."""
-        records = self._records
+        records = self.queue
         excess = len(records) - self._max_records
         if excess > 0:  # fell behind: the oldest go, as a bounded queue would
             self._dropped += excess
@@ -528,7 +532,7 @@ class Observatory:
             events_lost=self.shipper.lost,
             tail_events_dropped=self._tail_drops(),
             records_dropped=self.records_dropped,
-            records_pending=len(self._records),
+            records_pending=len(self.queue),
             shapes_parsed=self.fingerprinter.parses,
             anonymize=self.anonymize,
             anonymize_key_random=self.anonymizer.key_is_random,
@@ -548,6 +552,11 @@ class Observatory:
             "fingerprints": len(self.stats),
             "ring": len(self.ring),
         }
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _discard(rec: QueryRecord) -> None:

@@ -160,7 +160,7 @@ async def test_events_and_tail_are_anonymized(tmp_path: Path) -> None:
         ),
         clock=clocks.clock,
         perf_counter_ns=clocks.perf_ns,
-        drain_interval=0.01,
+        drain_max_wait=0.01,
     )
     tail = obs.subscribe({"database": "reports"}, maxsize=5)
     await obs.start()
@@ -220,7 +220,7 @@ def test_record_queue_is_bounded_and_counts_drops() -> None:
     stalled = Observatory(ObservabilityConfig(), max_records=10, drain_chunk=2)
     for i in range(100):
         stalled.record(_record(clocks, ctx, f"SELECT {i}", 10))
-    assert len(stalled._records) == 30 and stalled.records_dropped == 20
+    assert len(stalled.queue) == 30 and stalled.records_dropped == 20
 
 
 async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -230,37 +230,51 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
-async def test_the_drain_waits_for_records_to_gather_or_time_to_pass() -> None:
-    """Fewer than drain_at records wait (up to drain_max_wait); drain_at of
-    them are drained at the drain task's next look."""
-    clocks = Clocks()
-    looks: list[float] = []
-
-    class Counted(Observatory):
-        def _drain_due(self, since_last: float) -> bool:
-            looks.append(since_last)
-            return super()._drain_due(since_last)
-
-    obs = Counted(
+def _drained_at(clocks: Clocks, drain_at: int, drain_max_wait: float) -> Observatory:
+    return Observatory(
         ObservabilityConfig(),
         clock=clocks.clock,
         perf_counter_ns=clocks.perf_ns,
-        drain_interval=0.001,
-        drain_at=5,
-        drain_max_wait=3600,
+        drain_at=drain_at,
+        drain_max_wait=drain_max_wait,
     )
+
+
+async def test_the_drain_waits_for_drain_at_records_then_is_woken() -> None:
+    """Fewer than drain_at records wait; wake_drain (which the server calls
+    when it queues the drain_at-th) has them drained at once, long before
+    drain_max_wait."""
+    clocks = Clocks()
+    obs = _drained_at(clocks, drain_at=5, drain_max_wait=3600)
     ctx = ClientContext("c", "d", "u", "a")
     await obs.start()
     try:
         for i in range(4):
             obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
-        await _until(lambda: len(looks) >= 5)
+        for _ in range(10):  # the drain task gets its turns, and waits on
+            await asyncio.sleep(0)
         assert obs.records_processed == 0
         obs.record(_record(clocks, ctx, "SELECT 4", 10))
+        obs.wake_drain()
         await _until(lambda: obs.records_processed == 5)
-        obs.drain_max_wait = 0  # as if it had passed: a lone record goes too
-        obs.record(_record(clocks, ctx, "SELECT 5", 10))
-        await _until(lambda: obs.records_processed == 6)
+        obs.wake_drain()  # with nothing queued: the drain finds nothing, waits again
+        for _ in range(10):
+            await asyncio.sleep(0)
+        for i in range(5, 10):
+            obs.record(_record(clocks, ctx, f"SELECT {i}", 10))
+        obs.wake_drain()
+        await _until(lambda: obs.records_processed == 10)
+    finally:
+        await obs.stop()
+
+
+async def test_a_lone_record_is_drained_after_drain_max_wait() -> None:
+    clocks = Clocks()
+    obs = _drained_at(clocks, drain_at=1000, drain_max_wait=0.01)
+    await obs.start()
+    try:
+        obs.record(_record(clocks, ClientContext("c", "d", "u", "a"), "SELECT 1", 10))
+        await _until(lambda: obs.records_processed == 1)
     finally:
         await obs.stop()
 

@@ -414,3 +414,25 @@ def test_a_reloaded_server_check_delay_reaches_the_fast_acquire(
     second.data_received(m.query("SELECT 2"))  # idle 10 s > 5 s: the pool checks it first
     assert python == ["acquire"] and second.server is None
     assert list(rig.pool.idle) == [rig.servers[0]]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_record_that_makes_drain_at_wakes_the_drain(
+    loop: asyncio.AbstractEventLoop, fast: bool
+) -> None:
+    """The server whose record brings the observatory's queue to drain_at
+    wakes the drain, once; the records before and after it do not."""
+    rig = Rig("transaction", observe=True, fast=fast)
+    observatory = rig.proxy.observatory
+    woken: list[int] = []
+    for server in rig.servers:
+        server.observe = observatory.record
+        server.drain_at = 3
+        server.wake_drain = lambda: woken.append(len(observatory.queue))
+    for n in range(7):
+        rig.client_sends(0, m.query(f"SELECT {n}"))
+        server = rig.clients[0].server
+        (server.data_received if fast else server._data_received)(
+            ROWS + m.command_complete("SELECT 2") + rfq("I")
+        )
+    assert woken == [3] and len(observatory.queue) == 7
