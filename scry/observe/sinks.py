@@ -3,7 +3,8 @@
 ``EventShipper`` takes batches out of the ``EventRing`` (when ``batch_size``
 events are waiting or every ``flush_interval`` seconds; after a trip it
 lingers up to ``linger`` seconds so that a busy proxy ships in few, large
-trips), encodes them (``events.serialize_parts``, on the event loop) and
+trips; the drain's ``notify`` after each drain ends a linger, so no timer
+fires under load), encodes them (``events.serialize_parts``, on the event loop) and
 hands them to a sink:
 
 ``NullSink``   discards (the ``none`` sink).
@@ -194,6 +195,7 @@ class EventShipper:
         linger: float = 0.0,
         compression: str = "gzip",
         on_flush: Callable[[int, float, bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ring = ring
         self.sink = sink
@@ -203,7 +205,8 @@ class EventShipper:
         # After a trip the shipper lingers until this many events wait (or
         # ``linger`` passes): the ring must never fill while it does.
         self._backlog = max(batch_size, min(MAX_BATCHES_PER_TRIP * batch_size, ring.capacity // 2))
-        self._wake_at = batch_size
+        self._clock = clock
+        self._linger_until = 0.0  # (the first full batch goes at once)
         self.compression = compression
         self._on_flush = on_flush
         self._wake = asyncio.Event()
@@ -214,10 +217,19 @@ class EventShipper:
         self.lost = 0  # events in batches a sink gave up on
 
     def notify(self) -> None:
-        """Wake the shipper early when a full batch is waiting (a full trip
-        while it lingers)."""
-        if len(self.ring) >= self._wake_at:
+        """Called after each drain: wake the shipper if a trip is due. A
+        linger ends here, at the first drain after it, not by a timer of its
+        own (a timer firing every 100 ms under load cost tps: see
+        docs/benchmarks.md, session 29)."""
+        if self._due():
             self._wake.set()
+
+    def _due(self) -> bool:
+        """A full trip waits, or a full batch and the linger is over."""
+        waiting = len(self.ring)
+        return waiting >= self._backlog or (
+            waiting >= self.batch_size and self._clock() >= self._linger_until
+        )
 
     def start(self) -> None:
         if self._task is None:
@@ -242,8 +254,8 @@ class EventShipper:
     async def _run(self) -> None:
         while True:
             timed_out = False
-            if len(self.ring) < self.batch_size and not self._stopping:
-                timed_out = not await self._wait_for(self.batch_size, self.flush_interval)
+            if not self._stopping and not self._due():
+                timed_out = not await self._wait(self.flush_interval)
             # Full batches; after the interval (or when stopping) the rest too.
             partial = timed_out or self._stopping
             while len(self.ring) >= self.batch_size or (partial and self.ring):
@@ -251,24 +263,18 @@ class EventShipper:
                 partial = partial or self._stopping
             if self._stopping and not self.ring:
                 return
-            if self.linger and not self._stopping:
-                # Let the next batches gather: a trip costs the event loop and
-                # the I/O thread a wake-up each, whether it holds one batch or 16.
-                await self._wait_for(self._backlog, self.linger)
+            # Let the next batches gather: a trip costs the event loop and
+            # the I/O thread a wake-up each, whether it holds one batch or 16.
+            self._linger_until = self._clock() + self.linger
 
-    async def _wait_for(self, events: int, timeout: float) -> bool:
-        """Wait until ``events`` events are in the ring (True), the shipper is
-        stopping (True) or ``timeout`` passes (False)."""
-        if len(self.ring) >= events or self._stopping:
-            return True
-        self._wake_at = events
+    async def _wait(self, timeout: float) -> bool:
+        """Wait for notify (or stop) to wake the shipper (True) or for
+        ``timeout`` to pass (False)."""
         self._wake.clear()
         try:
             await asyncio.wait_for(self._wake.wait(), timeout)
         except TimeoutError:
             return False
-        finally:
-            self._wake_at = self.batch_size
         return True
 
     async def flush_once(self) -> int:

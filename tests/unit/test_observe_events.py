@@ -493,7 +493,11 @@ async def test_shipper_lingers_until_a_full_trip_is_waiting(tmp_path: Path) -> N
     assert [e["queue_us"] for e in read_events(tmp_path / "events.log")] == list(range(170))
 
 
-async def test_shipper_ships_what_gathered_when_the_linger_ends(tmp_path: Path) -> None:
+async def test_shipper_ships_what_gathered_at_the_first_notify_after_the_linger(
+    tmp_path: Path,
+) -> None:
+    """The linger ends at the drain's next notify once its time has passed:
+    the shipper has no timer of its own for it."""
     sink = CountingFileSink(tmp_path / "events.log")
     trips: list[int] = []
     first, third = asyncio.Event(), asyncio.Event()
@@ -502,9 +506,16 @@ async def test_shipper_ships_what_gathered_when_the_linger_ends(tmp_path: Path) 
         trips.append(count)
         (first if len(trips) == 1 else third if len(trips) == 3 else asyncio.Event()).set()
 
+    now = [100.0]
     ring = EventRing(100)  # a small ring: it lingers only until half of it waits
     shipper = EventShipper(
-        ring, sink, batch_size=10, flush_interval=30, linger=0.05, on_flush=on_flush
+        ring,
+        sink,
+        batch_size=10,
+        flush_interval=30,
+        linger=0.05,
+        on_flush=on_flush,
+        clock=lambda: now[0],
     )
     assert shipper._backlog == 50
     shipper.start()
@@ -512,7 +523,12 @@ async def test_shipper_ships_what_gathered_when_the_linger_ends(tmp_path: Path) 
     shipper.notify()
     await asyncio.wait_for(first.wait(), 5)
     ring.extend(EventBlock.of_events([_event(i) for i in range(10, 30)]))
-    shipper.notify()  # two batches, below the backlog: they wait out the linger
+    shipper.notify()  # two batches, below the backlog, within the linger: they wait
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert trips == [10]
+    now[0] += 0.05
+    shipper.notify()  # the next drain, the linger over: one trip for both
     await asyncio.wait_for(third.wait(), 5)
     assert sink.calls == [1, 2] and trips == [10, 10, 10] and ring.dropped == 0
     await shipper.stop()
