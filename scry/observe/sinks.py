@@ -4,8 +4,8 @@
 events are waiting or every ``flush_interval`` seconds; after a trip it
 lingers up to ``linger`` seconds so that a busy proxy ships in few, large
 trips; the drain's ``notify`` after each drain ends a linger, so no timer
-fires under load), encodes them (``events.serialize_parts``, on the event loop) and
-hands them to a sink:
+fires under load), encodes them (``events.serialize_parts``, on the event
+loop) and hands them to a sink:
 
 ``NullSink``   discards (the ``none`` sink).
 ``FileSink``   appends frames to a file, rotating by size and keeping
@@ -219,8 +219,8 @@ class EventShipper:
     def notify(self) -> None:
         """Called after each drain: wake the shipper if a trip is due. A
         linger ends here, at the first drain after it, not by a timer of its
-        own (a timer firing every 100 ms under load cost tps: see
-        docs/benchmarks.md, session 29)."""
+        own: no timer of the pipeline fires under load (timers firing under
+        load cost tps; see docs/benchmarks.md, session 29)."""
         if self._due():
             self._wake.set()
 
