@@ -1306,8 +1306,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         live = [t for t in targets if t.broken is None]
         restarts = (args.rounds - 1) // args.restart_every if args.restart_every > 0 else 0
-        runs = args.rounds * len(scenarios) * len(live) * (args.duration + args.pause)
-        est = runs + len(live) * args.warmup * (1 + restarts)
+        run_seconds = args.rounds * len(scenarios) * len(live) * (args.duration + args.pause)
+        est = run_seconds + len(live) * args.warmup * (1 + restarts)
         log(
             f"{len(scenarios)} scenarios × {len(live)} targets × {args.rounds} rounds × {args.duration}s "
             f"≈ {est / 60:.1f} min (load average now {os.getloadavg()[0]:.2f})"
@@ -1315,7 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             warm_up(bench, live, args.warmup)
             for rnd in range(1, args.rounds + 1):
-                if args.restart_every and rnd > 1 and (rnd - 1) % args.restart_every == 0:
+                if args.restart_every > 0 and rnd > 1 and (rnd - 1) % args.restart_every == 0:
                     restart(live)
                     warm_up(bench, live, args.warmup)
                 for sc in scenarios:
