@@ -1106,19 +1106,26 @@ def warm_up(bench: Bench, targets: list[Target], seconds: int) -> None:
             log(f"  warm-up {t.label:<12} {fmt(r.tps)} tps")
 
 
+def start_target(t: Target) -> bool:
+    """Start ``t``; one that fails to start is marked broken (and said so),
+    and the run goes on without it."""
+    try:
+        t.start()
+    except RuntimeError as exc:
+        t.broken = str(exc)
+        log(f"!! {exc}")
+        return False
+    return True
+
+
 def restart(targets: list[Target]) -> None:
     """--restart-every: each proxy stopped and started again, a new process."""
     for t in targets:
         if t.broken is not None or t.kind == "direct":
             continue
         t.stop()
-        try:
-            t.start()
-        except RuntimeError as exc:
-            t.broken = str(exc)
-            log(f"!! {exc}")
-            continue
-        log(f"  restarted {t.label:<12} {HOST}:{t.port}  pid {t.pid}")
+        if start_target(t):
+            log(f"  restarted {t.label:<12} {HOST}:{t.port}  pid {t.pid}")
 
 
 def hold(targets: list[Target], pg_port: int) -> None:
@@ -1270,13 +1277,8 @@ def main(argv: list[str] | None = None) -> int:
                 targets.append(ScryTarget(n, binary, base_scry, overrides, workdir))
         for t in targets:
             stack.callback(t.stop)
-            try:
-                t.start()
-            except RuntimeError as exc:
-                t.broken = str(exc)
-                log(f"!! {exc}")
-                continue
-            log(f"  {t.label:<12} {HOST}:{t.port}  pid {t.pid or '-'}  {t.description}")
+            if start_target(t):
+                log(f"  {t.label:<12} {HOST}:{t.port}  pid {t.pid or '-'}  {t.description}")
         if args.hold:
             hold(targets, pg.port)
             return 0
