@@ -3,12 +3,14 @@
 Drives N whole client lifetimes through the proxy with fake transports, the
 way ``pgbench -C -S`` uses it: StartupMessage, md5 password exchange, login
 greeting, one ``SELECT`` answered by an idle pooled server, Terminate. Prints
-the CPU microseconds per connection, per callback. ``--cold`` evicts the CPU
+the CPU microseconds per connection, per callback, and the observability
+drain's share (run when the queue reaches ``drain_at``, as live;
+``--no-observe`` turns observability off). ``--cold`` evicts the CPU
 caches before every callback (see steps.py): the live cost. ``--floor`` runs the
 same connections through benchmarks/floor_pooler.py, for comparison. Use it
 with a profiler:
 
-    .venv/bin/python benchmarks/connectpath.py [--cold[=KIB]] [--floor] [N]
+    .venv/bin/python benchmarks/connectpath.py [--cold[=KIB]] [--floor | --no-observe] [N]
     .venv/bin/python -m cProfile -s tottime benchmarks/connectpath.py 20000 | head -40
 """
 
@@ -78,9 +80,10 @@ def _run(steps: Steps, n: int, one) -> None:  # type: ignore[no-untyped-def]
         one()
 
 
-async def main(n: int, cold_kib: int) -> None:
+async def main(n: int, cold_kib: int, observe: bool = True) -> None:
     config = Config.model_validate(
         {
+            "observability": {"fingerprinting": observe},
             "database_url": f"postgres://{USER}:{PASSWORD}@127.0.0.1:5432/app",
             "pool": {"mode": "transaction", "max_client_conn": 1000},
             "auth": {"type": "md5", "users": [{"name": USER, "password": PASSWORD}]},
@@ -101,7 +104,14 @@ async def main(n: int, cold_kib: int) -> None:
     # that live): no SET per connection, whose answer this script lacks.
     packet, _ = read_startup_packet(startup)  # type: ignore[misc]
     server.applied = startup_settings(packet.params)  # type: ignore[union-attr]
-    steps = Steps(STEP_NAMES, cold_kib)
+    steps = Steps([*STEP_NAMES, "drain"], cold_kib)
+    observatory = proxy.observatory
+
+    def drain_when_due() -> None:
+        # What the live drain does when the server wakes it at drain_at
+        # records; without it the queue only grows (and so does the GC's work).
+        if len(observatory.queue) >= observatory.drain_at:
+            observatory.drain()
 
     def one() -> None:
         client = ClientConnection(proxy)
@@ -115,6 +125,7 @@ async def main(n: int, cold_kib: int) -> None:
                 (server.data_received, (response,)),
                 (client.data_received, (terminate,)),
                 (client.connection_lost, (None,)),
+                (drain_when_due, ()),
             ]
         )
         assert client.state is CLOSED and transport.last == response, transport.last[-20:]
@@ -164,4 +175,7 @@ if __name__ == "__main__":
     counts = [a for a in sys.argv[1:] if a.isdigit()]
     cold = cold_kib_from_argv(sys.argv[1:])
     count = int(counts[0]) if counts else (3_000 if cold else 20_000)
-    asyncio.run((main_floor if "--floor" in sys.argv else main)(count, cold))
+    if "--floor" in sys.argv:
+        asyncio.run(main_floor(count, cold))
+    else:
+        asyncio.run(main(count, cold, observe="--no-observe" not in sys.argv))
