@@ -170,6 +170,27 @@ def version_of(cmd: list[str]) -> str:
     )
 
 
+def interpreter_of(script: str) -> str:
+    """The Python a console script runs on, and its version: how that
+    interpreter was built moves scry's CPU per connection by several percent
+    (pyenv's default build against Debian's, docs/benchmarks.md, session 30)."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return "?"
+    if not first.startswith(b"#!"):
+        return "?"
+    words = first[2:].decode(errors="replace").split()
+    if words[:1] and os.path.basename(words[0]) == "env":
+        words = [shutil.which(words[1]) or words[1]] if len(words) > 1 else []
+    if not words:
+        return "?"
+    python = os.path.realpath(words[0])
+    version = version_of([python, "-c", "import sys; print(sys.version.split()[0])"])
+    return f"Python {version} ({python})"
+
+
 # --------------------------------------------------------------------------- #
 # CPU accounting from /proc
 # --------------------------------------------------------------------------- #
@@ -400,6 +421,7 @@ class ScryTarget(Target):
         ) + (f", overrides {json.dumps(overrides, separators=(',', ':'))}" if overrides else "")
         if Path(binary).parent != Path(sys.executable).parent:
             self.description += f", {binary}"
+        self.description += f", on {interpreter_of(binary)}"
 
     def start(self) -> None:
         self.port = free_port()
