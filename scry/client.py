@@ -366,6 +366,8 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         if server is not None:
             self._link(server)
             return
+        if self.statements is not None and self._answer_prepare():
+            return
         # No timer per wait: the janitor enforces query_wait_timeout on the queue.
         self.waiting_since = perf_counter_ns()
         pool.wait(self)

@@ -16,7 +16,7 @@ from time import monotonic
 from scry.protocol import messages as m
 from scry.protocol.errors import PROTOCOL_VIOLATION, ProtocolViolation
 from scry.protocol.framing import MessageReader
-from scry.protocol.prepared import ClientStatements
+from scry.protocol.prepared import ClientStatements, answer_prepare
 from scry.protocol.prepared import rewrite as rewrite_statements
 from scry.server import REC_EXECUTE, REC_QUERY, REC_SYNC, ServerConnection
 
@@ -70,6 +70,32 @@ class MessageModeRelay:
             return b""
         self.stats.server_parse_count += server.statements.parses_sent - before
         return data
+
+    def _answer_prepare(self) -> bool:
+        """No server is free and all the client asked is to prepare statements the
+        pool has parsed before: answer it here (see scry.protocol.prepared)."""
+        queue = self._queue
+        if len(queue) != 1 or self._queued_owed != 1 or self._paused_waiting:
+            return False
+        messages = queue[0][0]
+        if messages.__class__ is bytes:
+            return False
+        tracker = self.tracker
+        if tracker is not None and tracker.work:
+            return False  # session state waits on this ReadyForQuery
+        inflight = self.inflight
+        if inflight and (len(inflight) != 1 or inflight[0][0] != REC_SYNC):
+            return False
+        assert self.statements is not None and self.pool is not None
+        answer = answer_prepare(messages, self.statements, self.pool.parsed_statements)
+        if answer is None:
+            return False
+        inflight.clear()
+        self._queue = []
+        self._queued_owed = self._queued_bytes = 0
+        self.answered += 1
+        self.transport.write(answer)
+        return True
 
     def _start_rewriting(
         self, out: bytes, parse_start: int, owed: int, texts: list[tuple[int, bytes]] | None

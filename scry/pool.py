@@ -20,6 +20,7 @@ from scry.config import DatabaseTarget, PoolConfig
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.errors import CONNECTION_FAILURE
+from scry.protocol.prepared import ParsedStatements
 from scry.relay_core import PoolCore, PoolStats
 from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError, settings_sql
 
@@ -51,8 +52,9 @@ class Pool(PoolCore):
     __slots__ = (
         "_connect_failures", "_greetings", "_reserve_timer", "_retry_handle", "_wait_us_seen",
         "_waits_seen", "_welcome_future", "health", "last_error", "max_message_size",
-        "max_wait_started", "name", "server_password", "server_user", "servers_closed",
-        "servers_opened", "setting_spellings", "startup_params", "stats", "target", "__weakref__"
+        "max_wait_started", "name", "parsed_statements", "server_password", "server_user",
+        "servers_closed", "servers_opened", "setting_spellings", "startup_params", "stats",
+        "target", "__weakref__"
     )  # fmt: skip
 
     def __init__(
@@ -91,6 +93,10 @@ class Pool(PoolCore):
         self.health = proxy.health_for(target.name)
         # (setting, value as a client wrote it) -> PostgreSQL's spelling of it
         self.setting_spellings: dict[tuple[str, str], str] = {}
+        # Statements its servers parsed, as many as they can hold together.
+        self.parsed_statements = ParsedStatements(
+            self.settings.max_prepared_statements * self.settings.size
+        )
         # Counters for SHOW/admin views.
         self.stats = PoolStats()
         self.total_wait_us = 0

@@ -169,7 +169,9 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.retire = False  # past server_lifetime: close instead of reusing
         self.cancels_pending = 0  # CancelRequests sent and not yet processed by PostgreSQL
         self.release_after_cancel = False
-        self.statements = ServerStatements(pool.settings.max_prepared_statements)
+        self.statements = ServerStatements(
+            pool.settings.max_prepared_statements, pool.parsed_statements
+        )
         self.breaker = pool.breaker
         self.proxy = pool.proxy
         self.busy_since = 0.0  # monotonic() when the oldest unanswered request was sent

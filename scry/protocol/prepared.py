@@ -18,6 +18,14 @@ whichever server serves the client and kept there in an LRU:
 * ``Close`` of a named statement: forgotten for the client; the server-side
   statement stays for other clients. The Close is sent for a name that never
   exists, which PostgreSQL answers with CloseComplete.
+* A batch of nothing but named Parses and a Sync (libpq's ``PQprepare``), sent
+  while no server is free, of statements the pool has parsed before: answered
+  by scry (:func:`answer_prepare`), and each Parse is sent, afresh as above, in
+  front of the statement's first Bind or Describe. A client never waits for a
+  server only to learn that a known statement parses. (pgbench ``-M prepared
+  -j 1`` drives all its connections from one thread and blocks in
+  ``PQprepare``: when the connections it has not yet driven hold every
+  server in their transactions, a pooler that waits for a server deadlocks.)
 
 Responses: every Parse and Close sent is recorded in order (``expect``);
 ParseComplete/CloseComplete from the server pop that record, and the ones
@@ -58,6 +66,26 @@ def server_name(parse_rest: bytes) -> bytes:
     return b"scry_" + hashlib.blake2b(parse_rest, digest_size=10).hexdigest().encode()
 
 
+class ParsedStatements:
+    """Server-side names a pool's servers have parsed without error (an LRU)."""
+
+    __slots__ = ("capacity", "names")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.names: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, sname: bytes) -> bool:
+        return sname in self.names
+
+    def add(self, sname: bytes) -> None:
+        names = self.names
+        names[sname] = None
+        names.move_to_end(sname)
+        if len(names) > self.capacity:
+            names.popitem(last=False)
+
+
 class Expected(NamedTuple):
     kind: int  # PARSE_COMPLETE or CLOSE_COMPLETE
     drop: bool  # caused by scry, not by the client: do not forward
@@ -77,10 +105,13 @@ class ServerStatements:
         "segments_done",
         "unnamed_owner",
         "parses_sent",
+        "parsed",
     )
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, parsed: ParsedStatements | None = None) -> None:
         self.capacity = max(1, capacity)
+        # The pool's record of statements that parse (see answer_prepare).
+        self.parsed = parsed if parsed is not None else ParsedStatements(capacity)
         self.names: OrderedDict[bytes, None] = OrderedDict()
         # Names whose Parse or Close PostgreSQL skipped after an error: they may or
         # may not exist, so the next Parse of one closes it first (harmless if absent).
@@ -104,7 +135,10 @@ class ServerStatements:
         """ParseComplete or CloseComplete arrived: True if the client must not see it."""
         expect = self.expect
         if expect and expect[0].kind == kind:
-            return expect.popleft().drop
+            expected = expect.popleft()
+            if kind == PARSE_COMPLETE and expected.name is not None:
+                self.parsed.add(expected.name)
+            return expected.drop
         return False
 
     def on_error(self) -> None:
@@ -134,13 +168,16 @@ class ClientStatements:
     ``unnamed`` is the rest of its last unnamed Parse: a client may parse the
     unnamed statement, Sync, and bind it later (pg8000 does), by which time it
     may be on another server; it is then parsed there again first.
+    ``deferred`` holds the names whose Parse scry answered itself
+    (:func:`answer_prepare`) and no server has seen yet.
     """
 
-    __slots__ = ("by_name", "unnamed")
+    __slots__ = ("by_name", "unnamed", "deferred")
 
     def __init__(self) -> None:
         self.by_name: dict[bytes, tuple[bytes, bytes]] = {}
         self.unnamed: bytes | None = None
+        self.deferred: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -156,6 +193,35 @@ def uses_named_statement(kind: int, body: bytes) -> bool:
     if kind in (_D, _C):
         return body[:1] == b"S" and body[1:2] != b"\x00"
     return False
+
+
+def answer_prepare(
+    messages: list[tuple[int, bytes]], client: ClientStatements, parsed: ParsedStatements
+) -> bytes | None:
+    """What a server would answer to a batch of named Parses and a Sync, if every
+    statement in it is one the pool has parsed; else None (the batch needs a server).
+
+    Outside a transaction, with no server, only: the answer says idle. Each Parse
+    is remembered for the client and deferred to its first Bind or Describe.
+    """
+    if len(messages) < 2 or messages[-1][0] != _SYNC:
+        return None
+    statements = []
+    for kind, body in messages[:-1]:
+        if kind != _P or body[:1] == b"\x00":
+            return None
+        nul = body.find(b"\x00")
+        if nul < 0:
+            return None  # malformed: the server path reports it
+        rest = body[nul + 1 :]
+        sname = server_name(rest)
+        if sname not in parsed:
+            return None
+        statements.append((body[:nul], sname, rest))
+    for name, sname, rest in statements:
+        client.by_name[name] = (sname, rest)
+        client.deferred.add(name)
+    return _msg(PARSE_COMPLETE, b"") * len(statements) + m.ready_for_query()
 
 
 def rewrite(
@@ -191,11 +257,9 @@ def _rewrite(
                 continue
             sname = server_name(rest)
             client.by_name[name] = (sname, rest)
-            if sname in server.names:
-                del server.names[sname]
-                expect.append(Expected(CLOSE_COMPLETE, True, segment, sname))
-                out.append(_msg(_C, b"S" + sname + b"\x00"))
-            _prepare(out, server, sname, rest, False, segment)
+            if client.deferred:
+                client.deferred.discard(name)
+            _parse_afresh(out, server, sname, rest, False, segment)
         elif kind == _B:
             portal_end = body.index(b"\x00")
             stmt_end = body.index(b"\x00", portal_end + 1)
@@ -206,7 +270,7 @@ def _rewrite(
             if known is None:
                 out.append(_msg(kind, body))
                 continue
-            sname = _ensure(out, server, known, segment)
+            sname = _ensure(out, client, server, name, known, segment)
             out.append(_msg(_B, body[: portal_end + 1] + sname + body[stmt_end:]))
         elif kind in (_D, _C):
             name = body[1:-1]
@@ -218,10 +282,11 @@ def _rewrite(
                 out.append(_msg(kind, body))
                 continue
             if kind == _D:
-                sname = _ensure(out, server, client.by_name[name], segment)
+                sname = _ensure(out, client, server, name, client.by_name[name], segment)
                 out.append(_msg(_D, b"S" + sname + b"\x00"))
             else:
                 del client.by_name[name]
+                client.deferred.discard(name)
                 expect.append(Expected(CLOSE_COMPLETE, False, segment))
                 out.append(_msg(_C, b"S" + _NEVER_EXISTS + b"\x00"))
         else:
@@ -246,14 +311,34 @@ def _ensure_unnamed(
 
 
 def _ensure(
-    out: list[bytes], server: ServerStatements, known: tuple[bytes, bytes], segment: int
+    out: list[bytes],
+    client: ClientStatements,
+    server: ServerStatements,
+    name: bytes,
+    known: tuple[bytes, bytes],
+    segment: int,
 ) -> bytes:
     sname, rest = known
-    if sname in server.names:
+    if client.deferred and name in client.deferred:
+        # The client's own Parse, answered by scry: parsed now, as it would have been.
+        client.deferred.discard(name)
+        _parse_afresh(out, server, sname, rest, True, segment)
+    elif sname in server.names:
         server.names.move_to_end(sname)
     else:
         _prepare(out, server, sname, rest, True, segment)
     return sname
+
+
+def _parse_afresh(
+    out: list[bytes], server: ServerStatements, sname: bytes, rest: bytes, drop: bool, segment: int
+) -> None:
+    """A client's Parse: plans anew even where the server holds the statement."""
+    if sname in server.names:
+        del server.names[sname]
+        server.expect.append(Expected(CLOSE_COMPLETE, True, segment, sname))
+        out.append(_msg(_C, b"S" + sname + b"\x00"))
+    _prepare(out, server, sname, rest, drop, segment)
 
 
 def _prepare(

@@ -138,17 +138,18 @@ def pgbench_tables(pg) -> None:
     )
 
 
+@pytest.mark.parametrize("threads", ["20", "1"])
 @pytest.mark.parametrize("mode", MODES)
-def test_pgbench_prepared(scry_proxy, pgbench_tables, mode: str) -> None:
-    # -j 20: one thread per client. With -j 1 a single pgbench thread drives
-    # all 20 connections and its PQprepare calls are synchronous: it blocks in
-    # PQprepare on a connection that waits for a pool server, while the 4
-    # servers are held by connections whose transactions that same thread must
-    # finish. Every transaction pooler deadlocks on it (PgBouncer included,
-    # with max_prepared_statements); it is not a scry bug.
+def test_pgbench_prepared(scry_proxy, pgbench_tables, mode: str, threads: str) -> None:
+    # With -j 1 one pgbench thread drives all 20 connections, and its PQprepare
+    # is synchronous: it blocks preparing BEGIN on a connection that has no
+    # server while the 4 servers are held by connections whose transactions
+    # that same thread must go on with. A pooler that waits for a server there
+    # deadlocks (PgBouncer with max_prepared_statements does, until
+    # query_wait_timeout); scry answers the prepare of a statement it knows.
     proxy = proxy_for(scry_proxy, mode, 4)
     env = {**os.environ, "PGPASSWORD": "app_pass"}
-    cmd = [PGBENCH, "-M", "prepared", "-c", "20", "-j", "20", "-T", "3", "-n",
+    cmd = [PGBENCH, "-M", "prepared", "-c", "20", "-j", threads, "-T", "3", "-n",
            "-h", "127.0.0.1", "-p", str(proxy.port), "-U", "app", "app"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
@@ -159,6 +160,50 @@ def test_pgbench_prepared(scry_proxy, pgbench_tables, mode: str) -> None:
     processed = re.search(r"number of transactions actually processed: (\d+)", out)
     assert processed is not None and int(processed.group(1)) > 20, out
     assert "aborted" not in out, out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prepare_of_a_known_statement_needs_no_server(scry_proxy, pg, mode: str) -> None:
+    """PQprepare while every server is taken: a statement the pool has parsed is
+    answered at once and parsed on the server at its first use; any other waits."""
+    proxy = scry_proxy({"pool": {"mode": mode, "size": 1}, "timeouts": {"query_wait_timeout": 1}})
+    table = f"prep_known_{mode}"
+    with psycopg.connect(pg.dsn(user="postgres"), autocommit=True) as admin:
+        admin.execute(f"drop table if exists {table}")
+        admin.execute(f"create table {table} (id int primary key, v text)")
+        admin.execute(f"insert into {table} values (1, 'one')")
+        admin.execute(f"grant all on {table} to app")
+        ok = psycopg.pq.ExecStatus.COMMAND_OK
+        lookup = f"select v from {table} where id = $1".encode()
+        with (
+            psycopg.connect(**proxy.conninfo(), autocommit=True) as first,
+            psycopg.connect(**proxy.conninfo()) as holder,
+            psycopg.connect(**proxy.conninfo(), autocommit=True) as second,
+            psycopg.connect(**proxy.conninfo(), autocommit=True) as third,
+        ):
+            for name, sql in ((b"p1", b"select $1::int + 1"), (b"p2", lookup)):
+                res = first.pgconn.prepare(name, sql)
+                assert res.status == ok, res.error_message
+            holder.execute("select 1")  # a transaction holds the only server
+
+            for name, sql in ((b"add", b"select $1::int + 1"), (b"look", lookup)):
+                res = second.pgconn.prepare(name, sql)
+                assert res.status == ok, res.error_message
+            # Never parsed in this pool: needs a server, and there is none.
+            res = third.pgconn.prepare(b"mul", b"select $1::int * 2")
+            assert res.status == psycopg.pq.ExecStatus.FATAL_ERROR
+            assert "query_wait_timeout" in third.pgconn.error_message.decode()
+
+            admin.execute(f"drop table {table}")
+            holder.commit()
+            res = second.pgconn.exec_prepared(b"add", [b"41"])
+            assert res.status == psycopg.pq.ExecStatus.TUPLES_OK, res.error_message
+            assert res.get_value(0, 0) == b"42"
+            # Its Parse ran at its first use, after the table was dropped, and says so.
+            res = second.pgconn.exec_prepared(b"look", [b"1"])
+            assert res.status == psycopg.pq.ExecStatus.FATAL_ERROR
+            assert res.error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"42P01"
+            assert second.execute("select 7").fetchone() == (7,)
 
 
 # --------------------------------------------------------------------------------------

@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 from scry.client import parse_text
 from scry.protocol.errors import ProtocolViolation
 from scry.protocol.framing import MessageReader, MessageScanner
-from scry.protocol.prepared import ClientStatements, ServerStatements, rewrite
+from scry.protocol.prepared import (
+    ClientStatements,
+    ParsedStatements,
+    ServerStatements,
+    answer_prepare,
+    rewrite,
+    server_name,
+)
 
 FUZZ = settings(
     max_examples=300,
@@ -66,8 +73,16 @@ message_st = st.one_of(st.sampled_from(VALID), garbage_message)
 @given(batches=st.lists(st.lists(message_st, max_size=8), max_size=6))
 def test_rewrite_never_crashes_on_bodies(batches: list[list[tuple[int, bytes]]]) -> None:
     client = ClientStatements()
-    server = ServerStatements(4)
+    parsed = ParsedStatements(4)
+    parsed.add(server_name(b"select $1::int\x00\x00\x00"))  # VALID's s1: answered by scry
+    server = ServerStatements(4, parsed)
     for batch in batches:
+        answer = answer_prepare(batch, client, parsed)
+        if answer is not None:  # whole messages, and the last a ReadyForQuery
+            reader = MessageReader()
+            reader.feed(answer)
+            assert reader.messages()[-1] == (ord("Z"), b"I")
+            continue
         try:
             out = rewrite(batch, client, server)
         except ProtocolViolation as exc:
