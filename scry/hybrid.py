@@ -127,6 +127,7 @@ class SessionTracker:
     ) -> None:
         """ReadyForQuery number ``answered`` arrived (``status`` is its transaction status)."""
         state = self.state
+        was_pinned = self.pinned and not state.tentative
         if state.tentative and status == _TX_IDLE:
             # A transaction block ended: COMMIT keeps its changes, anything else drops them.
             if server.last_tag.startswith(b"COMMIT"):
@@ -146,6 +147,8 @@ class SessionTracker:
                 self._server_side_effects(effects, server)
             self._note(statement, now)
         self.work = bool(queued) or state.tentative
+        if not was_pinned and self.pinned and not state.tentative:
+            server.proxy.observatory.metrics.count_pin(state.reasons())
 
     def _server_side_effects(self, effects: tuple[Effect, ...], server: ServerConnection) -> None:
         for effect in effects:

@@ -23,7 +23,7 @@ from scry import __version__
 from scry.auth import AuthPolicy
 from scry.breaker import CLOSED, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
-from scry.health import HealthMonitor
+from scry.health import HealthMonitor, Signal
 from scry.hybrid import TransactionTracker, unfollowed
 from scry.log import event, setup_logging
 from scry.observe.pipeline import Observatory
@@ -428,9 +428,25 @@ class Proxy:
             monitor = self.health.get(name)
             if monitor is None:
                 continue
-            monitor.evaluate()
+            before = monitor.signals
+            signals = monitor.evaluate()
+            if signals or before:
+                self._report_anomalies(name, before, signals)
             if breaker.state is CLOSED and (reason := monitor.should_open()):
-                breaker.trip(f"predictive: {reason}", hold=False)
+                breaker.trip(reason, hold=False)
+
+    def _report_anomalies(self, database: str, before: list[Signal], now: list[Signal]) -> None:
+        """A line when a health signal appears (counted for Prometheus), one when it clears."""
+        had = {anomaly.name for anomaly in before}
+        for anomaly in now:
+            if anomaly.name not in had:
+                event("health anomaly", logging.WARNING, database=database, kind=anomaly.name,
+                      severity=anomaly.severity, message=anomaly.message)  # fmt: skip
+                self.observatory.metrics.health_anomalies_total.labels(
+                    database=database, kind=anomaly.name
+                ).inc()
+        for kind in had - {anomaly.name for anomaly in now}:
+            event("health anomaly cleared", database=database, kind=kind)
 
     # --- pools and clients ----------------------------------------------------------
 

@@ -12,8 +12,8 @@ Objects for the proxy to update directly:
 
 ``breaker_state``               Gauge{database}: 0 closed, 1 half-open, 2 open.
 ``breaker_transitions_total``   Counter{database, from_state, to_state}.
-``pins_total``                  Counter{reason}: sessions pinned.
-``health_anomalies_total``      Counter{database, kind}.
+``pins_total``                  Counter{reason}: sessions pinned (``count_pin``).
+``health_anomalies_total``      Counter{database, kind}: health signals that appeared.
 
 Pool gauges come from ``set_pool_stats_provider(callable)``; the callable
 returns dicts ``{database, user, size, active, idle, waiting,
@@ -181,6 +181,11 @@ class ObserveMetrics:
         self._acquire.add_ns(acquire_ns, sums_ns[1])
         self._acquire.counts[0] += acquire_zeros
         self._backend.add_ns(backend_ns, sums_ns[2])
+
+    def count_pin(self, reasons: Iterable[str]) -> None:
+        """A session was pinned to its server (committed), for these reasons."""
+        for reason in reasons:
+            self.pins_total.labels(reason=reason).inc()
 
     def add_pinned(self, reason: str, count: int) -> None:
         """Count statements run while pinned for ``reason``."""

@@ -155,6 +155,9 @@ def test_pins_force_unpin_keeps_the_session(scry_proxy) -> None:
         assert set_pin["statements"] and "'5s'" not in str(set_pin)  # (a token may hold "5s")
         assert set_pin["since"] <= time.time() and set_pin["pinned_s"] >= 0
         assert get(base, "/api/v1/pools")["pools"][0]["pinned"] == 2
+        metrics = httpx.get(f"{base}/metrics", headers=AUTH).text
+        assert 'scry_pins_total{reason="set"} 1.0' in metrics
+        assert 'scry_pins_total{reason="temp_table"} 1.0' in metrics
 
         result = post(base, f"/api/v1/pins/{set_pin['client_id']}/unpin")
         assert result["unpinned"] and result["replayed"] == ["set"] and result["lost"] == []
@@ -171,6 +174,34 @@ def test_pins_force_unpin_keeps_the_session(scry_proxy) -> None:
         assert dropped["unpinned"] and dropped["disconnected"]
         with pytest.raises(psycopg.OperationalError):
             other.execute("select 1")
+
+
+def test_health_anomalies_are_logged_and_counted(scry_proxy, wait_until) -> None:
+    """A client starved of a server raises the starvation signal: one log line
+    when it appears, one when it clears, and a count in /metrics."""
+    proxy, base = start_admin_proxy(
+        scry_proxy,
+        pool={"mode": "transaction", "size": 1},
+        health={"starvation_seconds": 0.3, "window_seconds": 2},
+    )
+    with connect(proxy) as holder, connect(proxy) as waiter:
+        holder.execute("begin")
+        holder.execute("select 1")  # holds the only server
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (waiter.execute("select 1"), done.set()))
+        worker.start()
+        try:
+            wait_until(lambda: "health anomaly " in proxy.log_text(), timeout=10)
+        finally:
+            holder.execute("commit")
+            worker.join(10)
+        assert done.is_set()
+        (line,) = [x for x in proxy.log_text().splitlines() if "health anomaly " in x]
+        assert "kind=starvation" in line and "database=app" in line
+        metrics = httpx.get(f"{base}/metrics", headers=AUTH).text
+        assert 'scry_health_anomalies_total{database="app",kind="starvation"} 1.0' in metrics
+        wait_until(lambda: "health anomaly cleared" in proxy.log_text(), timeout=10)
+        assert proxy.log_text().count("health anomaly") == 2
 
 
 def test_breaker_trip_fails_fast_and_reset(scry_proxy) -> None:

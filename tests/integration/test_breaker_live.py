@@ -214,4 +214,6 @@ async def test_predictive_breaker_opens_on_latency(scry_proxy) -> None:
     for _ in range(5):
         state, elapsed, alive = attempt(proxy)
         assert (state, alive) == ("57P03", True) and elapsed < FAST, (state, elapsed)
-    assert "predictive" in proxy.log_text()
+    log = proxy.log_text()
+    assert "predictive" in log and "predictive: predictive" not in log
+    assert "health anomaly " in log and "kind=latency_spike" in log
