@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scry.config import Config, ConfigError, DatabaseTarget
+from scry.hba import HbaError, HbaRules, load_hba
 from scry.userlist import load_userlist
 
 
@@ -18,6 +19,7 @@ from scry.userlist import load_userlist
 class AuthPolicy:
     method: str
     users: dict[str, str]  # user name -> stored secret (plain, md5 or SCRAM)
+    hba: HbaRules | None = None  # method "hba": the rules that choose each login's method
 
     @classmethod
     def from_config(cls, config: Config) -> AuthPolicy:
@@ -36,7 +38,18 @@ class AuthPolicy:
         for entry in auth.users:
             if entry.password is not None:
                 users[entry.name] = entry.password
-        return cls(auth.type, users)
+        hba = None
+        if auth.type == "hba":
+            assert auth.auth_hba_file is not None  # (validated)
+            try:
+                hba = load_hba(auth.auth_hba_file)
+            except OSError as exc:
+                raise ConfigError(
+                    f"auth.auth_hba_file: cannot read {auth.auth_hba_file}: {exc.strerror}"
+                ) from exc
+            except HbaError as exc:
+                raise ConfigError(f"auth.auth_hba_file: {exc}") from exc
+        return cls(auth.type, users, hba)
 
     def secret_for(self, user: str) -> str | None:
         return self.users.get(user)

@@ -169,7 +169,14 @@ def check_config(config: ConfigOption = None) -> None:
     """Validate the config and print the effective settings (secrets masked)."""
     import yaml
 
+    from scry.auth import AuthPolicy
+    from scry.config import ConfigError
+
     cfg = _load(config)
+    try:
+        AuthPolicy.from_config(cfg)  # the auth_file and auth_hba_file, read as serve reads them
+    except ConfigError as exc:
+        raise _fail(f"config error: {exc}") from None
     typer.echo(
         yaml.safe_dump(cfg.masked_dict(), sort_keys=False, default_flow_style=False), nl=False
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import asyncio.sslproto
 import logging
+import pwd
 import ssl
 
 from scry.hybrid import SessionTracker, TransactionTracker
@@ -86,6 +87,13 @@ def parse_options(options: str) -> dict[str, str]:
             raise ProtocolViolation(f"invalid startup option {token!r}", FEATURE_NOT_SUPPORTED)
         settings[canonical_name(name.replace("-", "_"))] = value
     return settings
+
+
+def _os_user(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
 
 
 def _valid_setting_name(name: str) -> bool:
@@ -241,7 +249,12 @@ class ClientLogin:
             self.fatal(INVALID_AUTHORIZATION, "SSL required",
                        detail=f"tls.client_tls_sslmode is {proxy.client_tls.mode}")  # fmt: skip
             return
-        if proxy.auth.method == "cert" or proxy.client_tls.mode == "verify-full":
+        method = proxy.auth.method
+        if proxy.auth.hba is not None:
+            method = self._hba_method(packet.database)
+            if method is None:
+                return
+        if method == "cert" or proxy.client_tls.mode == "verify-full":
             common_name = peer_common_name(self.transport) if self.tls else None
             if common_name != self.user:
                 event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
@@ -263,7 +276,7 @@ class ClientLogin:
         if proxy.config.pgbouncer is not None:  # PgBouncer mode: console, DISABLE, '*', [users]
             from scry.pgbouncer.console import route_login
 
-            if route_login(self, packet):
+            if route_login(self, packet, method):
                 return
         target = proxy.targets.get(self.database)
         if target is None:
@@ -283,9 +296,7 @@ class ClientLogin:
         self.transaction_pooling = mode != "session"
         self.statement_pooling = mode == "statement"
         self.tracker = self._new_tracker(mode)
-        self._auth = ClientAuthExchange(
-            proxy.auth.method, self.user, proxy.auth.secret_for(self.user)
-        )
+        self._auth = ClientAuthExchange(method, self.user, proxy.auth.secret_for(self.user))
         self._reader = MessageReader(proxy.config.max_packet_size)
         self.state = AUTH
         rest = bytes(self._startup_buf)  # anything the client sent after its startup packet
@@ -295,6 +306,40 @@ class ClientLogin:
         self._auth_step(self._auth.start())
         if rest:
             self.data_received(rest)
+
+    def _hba_method(self, database: str) -> str | None:
+        """auth.type hba: the method the first matching rule names, or None
+        (the client was refused, as PostgreSQL refuses it)."""
+        hba = self.proxy.auth.hba
+        assert hba is not None
+        addr = self.addr
+        local = addr == "unix"
+        host = None if local else addr.rsplit(":", 1)[0]
+        method, rule = hba.method_for(
+            local=local, tls=self.tls, host=host, database=database, user=self.user
+        )
+        if method == "peer":  # (local: the Unix socket, which PgBouncer mode opens)
+            from scry.pgbouncer.results import peer_uid
+
+            peer = peer_uid(self.transport)
+            os_user = _os_user(peer[1]) if peer is not None else None
+            if os_user == self.user:
+                return "trust"
+            reason = f"peer: OS user {os_user or 'unknown'}"
+            message = f'Peer authentication failed for user "{self.user}"'
+        elif method != "reject":
+            return method
+        else:
+            reason = "no rule matches" if rule is None else f"line {rule.line} rejects"
+            refusal = "no pg_hba.conf entry" if rule is None else "pg_hba.conf rejects connection"
+            message = (
+                f'{refusal} for host "{"[local]" if local else host}", user "{self.user}", '
+                f'database "{database}", {"SSL encryption" if self.tls else "no encryption"}'
+            )
+        event("client login failed", logging.WARNING, client=self.id, addr=addr,
+              user=self.user, db=database, reason=f"hba: {reason}")  # fmt: skip
+        self.fatal(INVALID_AUTHORIZATION, message)
+        return None
 
     def _new_tracker(self, mode: str) -> SessionTracker | None:
         if mode == "hybrid" or (mode != "session" and not self.proxy.observatory.enabled):
@@ -316,6 +361,7 @@ class ClientLogin:
         if (
             auth.method not in ("md5", "trust")
             or (auth.method == "md5" and auth.secret is None)
+            or proxy.auth.hba is not None  # (a plan would serve any address)
             or self.tls
             or proxy.config.pgbouncer is not None
             or proxy.client_tls.mode != "disable"

@@ -228,10 +228,17 @@ class AuthConfig(_Model):
 
     type: Literal["trust", "md5", "scram-sha-256", "cert", "hba", "plain", "any"] = "scram-sha-256"
     auth_file: str | None = None
+    #: type hba: the pg_hba.conf-format rules that choose the method (scry.hba).
     auth_hba_file: str | None = None
     auth_query: str | None = None
     auth_user: str | None = None
     users: list[UserEntry] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _hba_needs_its_file(self) -> AuthConfig:
+        if self.type == "hba" and not self.auth_hba_file:
+            raise _problem("auth_hba_file", "is required when auth.type is hba")
+        return self
 
 
 class TimeoutsConfig(_Model):

@@ -46,10 +46,11 @@ __all__ = [
 ]  # fmt: skip
 
 
-def route_login(client: ClientConnection, packet: StartupMessage) -> bool:
+def route_login(client: ClientConnection, packet: StartupMessage, method: str) -> bool:
     """Called by ``ClientConnection._begin_login`` when the config has a
-    ``pgbouncer`` section, before the target lookup. Returns True when it took
-    the connection (the console, or a refusal); False to go on as usual.
+    ``pgbouncer`` section, before the target lookup, with the auth method for
+    this login. Returns True when it took the connection (the console, or a
+    refusal); False to go on as usual.
 
     Also applies PgBouncer's per-database flags (DISABLE, PAUSE/KILL), the
     ``*`` fallback database and the ``[users]`` pool overrides.
@@ -61,7 +62,7 @@ def route_login(client: ClientConnection, packet: StartupMessage) -> bool:
     state = state_for(proxy)
     database = packet.database
     if database == ADMIN_DB:
-        _hand_to_console(client, packet, state)
+        _hand_to_console(client, packet, state, method)
         return True
     if state.shutting_down:
         client.fatal("57P01", "pooler is shutting down")
@@ -94,7 +95,9 @@ def route_login(client: ClientConnection, packet: StartupMessage) -> bool:
     return False
 
 
-def _hand_to_console(client: ClientConnection, packet: StartupMessage, state: ConsoleState) -> None:
+def _hand_to_console(
+    client: ClientConnection, packet: StartupMessage, state: ConsoleState, method: str
+) -> None:
     from scry.client import CLOSED
 
     proxy = client.proxy
@@ -103,7 +106,9 @@ def _hand_to_console(client: ClientConnection, packet: StartupMessage, state: Co
     client._startup_buf.clear()
     client.state = CLOSED  # the ClientConnection is done; the session owns the transport
     proxy.on_client_closed(client)
-    session = ConsoleSession(proxy, transport, packet.user, tls=client.tls, state=state)
+    session = ConsoleSession(
+        proxy, transport, packet.user, tls=client.tls, state=state, method=method
+    )
     transport.set_protocol(session)
     session.start(client.connected_at)
     if rest:

@@ -51,9 +51,10 @@ class ConsoleSession(asyncio.Protocol):
 
     def __init__(
         self, proxy: Proxy, transport: asyncio.BaseTransport, user: str, *, tls: bool,
-        state: ConsoleState,
+        state: ConsoleState, method: str,
     ) -> None:  # fmt: skip
         self.proxy = proxy
+        self.method = method  # auth.type, or what the HBA file chose for this login
         self.transport: asyncio.Transport = transport  # type: ignore[assignment]
         self.user = user
         self.tls = tls
@@ -80,7 +81,7 @@ class ConsoleSession(asyncio.Protocol):
         if peer is not None and peer[1] == os.getuid() and self.user == ADMIN_DB:
             self._login_ok(admin=True)  # PgBouncer: same OS user over the socket
             return
-        method = proxy.auth.method
+        method = self.method
         if method == "any":
             admin = self.user in compat.admin_users
             self._login_ok(admin=admin)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -200,3 +201,63 @@ async def test_unknown_database(scry_proxy) -> None:
         await asyncpg_select(proxy, "app", "app_pass", dbname="nope")
     with psycopg.connect(proxy.dsn()) as conn:
         assert conn.execute("select current_database()").fetchone() == ("app",)
+
+
+# --- auth.type: hba ----------------------------------------------------------------------
+
+HBA_RULES = """\
+# TYPE    DATABASE  USER     ADDRESS       METHOD
+host      all       blocked  127.0.0.1/32  reject
+host      all       trusted  127.0.0.1/32  trust
+host      all       app      127.0.0.1/32  md5
+hostnossl all       tls_only all           reject
+host      app       all      127.0.0.1/32  scram-sha-256
+"""
+
+
+async def test_hba_file_chooses_the_method_per_connection(scry_proxy, tmp_path, wait_until) -> None:
+    hba = tmp_path / "hba.conf"
+    hba.write_text(HBA_RULES)
+    users = [{"name": n, "password": f"{n}_pass"} for n in ("app", "alice", "tls_only")]
+    proxy = scry_proxy(
+        {**SESSION, "auth": {"type": "hba", "auth_hba_file": str(hba), "users": users}}
+    )
+    assert first_auth_request(proxy.port, "app") == AUTH_MD5
+    assert first_auth_request(proxy.port, "alice") == AUTH_SASL
+    assert first_auth_request(proxy.port, "trusted") == AUTH_OK
+
+    proc = run_psql(proxy.port, "app", "app_pass", "select current_user")
+    assert proc.returncode == 0, proc.stderr
+    assert tuple(await asyncpg_select(proxy, "alice", "alice_pass")) == ("app", 42)
+    assert tuple(await asyncpg_select(proxy, "trusted", None)) == ("app", 42)
+    with pytest.raises(asyncpg.exceptions.InvalidPasswordError):
+        await asyncpg_select(proxy, "alice", "wrong")
+
+    refusals = {
+        ("blocked", "app"): 'pg_hba.conf rejects connection for host "127.0.0.1", user "blocked", '
+        'database "app", no encryption',
+        ("tls_only", "app"): 'pg_hba.conf rejects connection for host "127.0.0.1", '
+        'user "tls_only", database "app", no encryption',
+        ("alice", "elsewhere"): 'no pg_hba.conf entry for host "127.0.0.1", user "alice", '
+        'database "elsewhere", no encryption',
+    }
+    for (user, dbname), message in refusals.items():
+        with pytest.raises(psycopg.OperationalError) as caught:
+            psycopg.connect(proxy.dsn(user=user, password=f"{user}_pass", dbname=dbname))
+        assert message in str(caught.value)
+        with pytest.raises(asyncpg.exceptions.InvalidAuthorizationSpecificationError):  # 28000
+            await asyncpg_select(proxy, user, f"{user}_pass", dbname=dbname)
+    assert 'reason="hba: line 2 rejects"' in proxy.log_text()
+
+    # SIGHUP re-reads the file; a file with a line scry cannot honour is refused
+    # and the rules in force stay.
+    hba.write_text(HBA_RULES.replace("all       app      127.0.0.1/32  md5", "all app all reject"))
+    proxy.send_signal(signal.SIGHUP)
+    wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+    with pytest.raises(psycopg.OperationalError, match="pg_hba.conf rejects connection"):
+        psycopg.connect(proxy.dsn())
+    hba.write_text("host all all example.com md5\n")
+    proxy.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reload failed" in proxy.log_text(), 5, what="reload failed")
+    assert "auth.auth_hba_file" in proxy.log_text() and "line 1" in proxy.log_text()
+    assert tuple(await asyncpg_select(proxy, "alice", "alice_pass")) == ("app", 42)

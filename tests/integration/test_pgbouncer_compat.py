@@ -433,3 +433,57 @@ def test_pidfile_and_stats(scry_bouncer: Bouncer) -> None:
         time.sleep(0.1)
     b.stop()
     assert not pidfile.exists()
+
+
+# --- auth_type = hba -----------------------------------------------------------------
+
+HBA = """\
+# the same rules for both poolers
+local     all        all      peer
+host      all        blocked  127.0.0.1/32  reject
+host      app        app      127.0.0.1/32  md5
+host      pgbouncer  admin    127.0.0.1/32  md5
+"""
+HBA_LOGINS = [  # (over the socket?, user, password, database)
+    (False, "app", "app_pass", "app"),
+    (False, "app", "wrong", "app"),
+    (False, "blocked", "blocked_pass", "app"),
+    (False, "admin", "admin_pass", "pgbouncer"),
+    (False, "stats", "stats_pass", "pgbouncer"),  # no rule
+    (False, "app", "app_pass", "forced"),  # no rule for this database
+    (True, "app", "app_pass", "app"),  # peer: the OS user is not app
+]
+
+
+def _login(b: Bouncer, local: bool, user: str, password: str, dbname: str) -> str:
+    host = str(b.dir) if local else "127.0.0.1"
+    try:
+        with psycopg.connect(host=host, port=b.port, user=user, password=password,
+                             dbname=dbname, sslmode="disable", connect_timeout=10,
+                             autocommit=True) as conn:  # fmt: skip
+            conn.execute("SHOW VERSION" if dbname == "pgbouncer" else "select 1", prepare=False)
+        return "in"
+    except psycopg.OperationalError:
+        return "refused"
+
+
+def test_hba_file_lets_in_whom_pgbouncer_lets_in(pg: DevCluster, workdir: Path) -> None:
+    """The same ini (auth_type = hba) and pg_hba-format file: the same logins succeed."""
+    (workdir / "hba.conf").write_text(HBA)
+    _chown(workdir / "hba.conf")
+    with open(workdir / "userlist.txt", "a") as userlist:
+        userlist.write('"blocked" "blocked_pass"\n')
+    outcomes = {}
+    for kind in ("pgbouncer", "scry"):
+        bouncer = Bouncer(kind, pg, workdir)
+        bouncer.write_ini(f"auth_hba_file = {workdir}/hba.conf\n")
+        bouncer.ini.write_text(
+            bouncer.ini.read_text().replace("auth_type = md5", "auth_type = hba")
+        )
+        bouncer.start()
+        try:
+            outcomes[kind] = [_login(bouncer, *login) for login in HBA_LOGINS]
+        finally:
+            bouncer.stop()
+    assert outcomes["scry"] == outcomes["pgbouncer"], outcomes
+    assert outcomes["scry"] == ["in", "refused", "refused", "in", "refused", "refused", "refused"]

@@ -469,6 +469,20 @@ def test_check_config_bad_key(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
 
 
+def test_check_config_reads_the_hba_file(tmp_path: Path) -> None:
+    """A rule scry cannot honour fails check-config (as it would fail serve), by key and line."""
+    assert "auth.auth_hba_file: is required when auth.type is hba" in error_for(
+        tmp_path, SEED_YAML + "auth:\n  type: hba\n"
+    )
+    hba = write(tmp_path, "host all all 10.0.0.0/8 md5\nhost all all all ldap\n", "hba.conf")
+    path = write(tmp_path, SEED_YAML + f"auth:\n  type: hba\n  auth_hba_file: {hba}\n")
+    result = CliRunner().invoke(app, ["check-config", "-c", str(path)])
+    assert result.exit_code == 1
+    assert f"auth.auth_hba_file: {hba} line 2: method 'ldap' is not supported" in result.stderr
+    hba.write_text("host all all 10.0.0.0/8 md5\n")
+    assert CliRunner().invoke(app, ["check-config", "-c", str(path)]).exit_code == 0
+
+
 def test_check_config_reads_scry_config_env(tmp_path: Path) -> None:
     path = write(tmp_path, SEED_YAML)
     result = CliRunner().invoke(app, ["check-config"], env={"SCRY_CONFIG": str(path)})
