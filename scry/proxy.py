@@ -70,6 +70,7 @@ class Proxy:
         self.draining = False
         self.clock = time.monotonic()  # coarse clock, updated by the janitor
         self.observatory = Observatory(config.observability)
+        self.observatory.log_queries = config.log.log_queries
         self.breakers: dict[str, CircuitBreaker] = {}
         self.health: dict[str, HealthMonitor] = {}
         self.observatory.query_batch_listeners.append(self._feed_health)
@@ -240,6 +241,7 @@ class Proxy:
         self.login_plans.clear()
         self.client_tls, self.server_tls = tls_in, tls_out
         self.targets = new.targets()
+        self.observatory.log_queries = new.log.log_queries
         for (name, _user), pool in self.pools.items():
             target = self.targets.get(name)
             if target is None or _connection_changed(pool.target, target):

@@ -59,6 +59,7 @@ from operator import attrgetter, is_, itemgetter
 from typing import Any
 
 from scry.config import ObservabilityConfig
+from scry.log import event as log_event
 from scry.observe.anonymize import Anonymizer
 from scry.observe.columns import chunk_variants, event_columns, group_columns, group_records
 from scry.observe.events import EventBlock, EventRing, Subscription, event_dict, make_predicate
@@ -135,6 +136,8 @@ class Observatory:
             on_flush=self._flushed,
         )
         self._subscribers: list[Subscription] = []
+        # log.log_queries (set by the proxy): a log line per statement, from the drain.
+        self.log_queries = False
         self._closed_tail_drops = 0
         # Bounded at max_records by the drain, which drops (and counts) the
         # oldest beyond it; the deque's own bound, ten chunks more (what
@@ -319,7 +322,7 @@ class Observatory:
             self._summarize_group(summary, shape, recs)
             if session_listened:
                 self._note_session_effects(summary, shape, recs)
-        if self._ship_events or self._subscribers:
+        if self._ship_events or self._subscribers or self.log_queries:
             summary.events = self._events(batch, variants)
         return summary
 
@@ -453,6 +456,8 @@ class Observatory:
                     as_dict = event_dict(event)
                     for subscription in self._subscribers:
                         subscription.offer(as_dict)
+            if self.log_queries:
+                _log_queries(events)
         for effects, contexts in summary.session:
             for session_listener in self.session_state_listeners:
                 try:
@@ -552,6 +557,17 @@ class Observatory:
             "fingerprints": len(self.stats),
             "ring": len(self.ring),
         }
+
+
+def _log_queries(events: EventBlock) -> None:
+    """log.log_queries: one line per statement, with the query as events carry it
+    (normalized, literals anonymized, unless observability.anonymize is off)."""
+    for row in events.rows():
+        e = event_dict(row)
+        log_event("query", client=e["client_id"], db=e["database"], user=e["user"],
+                  app=e["application_name"], fingerprint=e["fingerprint"],
+                  total_ms=round(e["total_us"] / 1000, 3), rows=e["rows"],
+                  sqlstate=e["sqlstate"] or "", query=e["query"])  # fmt: skip
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:

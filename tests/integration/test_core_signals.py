@@ -177,3 +177,26 @@ def test_one_log_line_per_connection_event(scry_proxy, wait_until) -> None:
     assert marker not in text
     assert "division by zero" not in text
     assert len(lines()) < n_clients * 4 + 10, text
+
+
+def test_log_queries_logs_each_statement_anonymized(scry_proxy, wait_until) -> None:
+    """log.log_queries: a line per statement from the drain, literals never included."""
+    proxy = scry_proxy({"log": {"log_queries": True}})
+    secret = f"secret_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(**proxy.conninfo(), autocommit=True, application_name="lq") as conn:
+        for _ in range(3):
+            assert conn.execute(f"select '{secret}' as s, 4242 as n").fetchone() == (secret, 4242)
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("select 1/0")
+
+    def query_lines() -> list[str]:
+        return [ln for ln in proxy.log_text().splitlines() if " query " in ln]
+
+    wait_until(lambda: len(query_lines()) >= 4, 5, what="four query lines")
+    lines = query_lines()
+    assert len(lines) == 4, lines
+    assert all("db=app" in ln and "user=app" in ln and "app=lq" in ln for ln in lines), lines
+    assert sum("sqlstate=22012" in ln for ln in lines) == 1, lines
+    assert len({re.search(r"fingerprint=(\S+)", ln).group(1) for ln in lines[:3]}) == 1  # type: ignore[union-attr]
+    text = proxy.log_text()
+    assert secret not in text and "4242" not in text
