@@ -351,6 +351,11 @@ def _peer_id(builder: _Builder, key: str, entry: Entry) -> None:
     builder.set("pgbouncer.peer_id", as_int(entry))
 
 
+# (A SCRAM secret looked up this way cannot log in to the server without
+# PgBouncer's SCRAM pass-through, which scramp does not offer.)
+_NO_AUTH_QUERY = "no auth_query lookups: clients need a secret in auth_file"
+
+
 def _auth_hba(builder: _Builder, key: str, entry: Entry) -> None:
     if entry.value:
         builder.set("auth.auth_hba_file", entry.value)
@@ -411,11 +416,11 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "auth_hba_file": Key("", handler=_auth_hba),
     "auth_ident_file": Key("", why="no ident maps"),
     "auth_file": Key(None, handler=_str_or_skip("auth.auth_file")),
-    "auth_user": Key(None, handler=_str_or_skip("auth.auth_user")),
+    "auth_user": Key(None, why=_NO_AUTH_QUERY),
     "auth_query": Key(
         "SELECT rolname, CASE WHEN rolvaliduntil < now() THEN NULL ELSE rolpassword END "
         "FROM pg_authid WHERE rolname=$1 AND rolcanlogin",
-        handler=_str_or_skip("auth.auth_query"),
+        why=_NO_AUTH_QUERY,
     ),
     "auth_dbname": Key("", why="auth_query runs in the client's database"),
     "auth_ldap_options": Key("", why="no LDAP authentication"),
@@ -503,8 +508,8 @@ _DB_UNSUPPORTED = {
     "connect_query": "no query is run on new server connections",
     "max_db_connections": "no per-database server connection limit",
     "max_db_client_connections": "no per-database client limit",
-    "auth_user": "auth_user is global in scry",
-    "auth_query": "auth_query is global in scry",
+    "auth_user": _NO_AUTH_QUERY,
+    "auth_query": _NO_AUTH_QUERY,
     "auth_dbname": "auth_query runs in the client's database",
     "load_balance_hosts": "one host per database",
     "target_session_attrs": "servers are not checked for read-only/standby",

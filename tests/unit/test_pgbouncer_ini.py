@@ -248,3 +248,18 @@ def test_statement_mode_is_recorded(tmp_path: Path) -> None:
     path.write_text("[databases]\ndb = host=h pool_mode=statement\n")
     config, _ = load_pgbouncer_config(path, env={})
     assert config.targets()["db"].pool.mode == "statement"
+
+
+def test_auth_query_is_reported_not_in_effect(tmp_path: Path) -> None:
+    path = tmp_path / "aq.ini"
+    path.write_text(
+        "[databases]\ndb = host=127.0.0.1 auth_user=lookup\n[pgbouncer]\n"
+        "listen_addr = 127.0.0.1\nauth_user = lookup\n"
+    )
+    config, warnings = load_pgbouncer_config(path, env={})
+    assert (
+        "not supported: auth_user (no auth_query lookups: clients need a secret in auth_file)"
+        in warnings
+    )
+    assert any(w.startswith("not supported: [databases] auth_user") for w in warnings), warnings
+    assert config.auth is not None and config.auth.auth_user is None
