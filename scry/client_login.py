@@ -243,6 +243,13 @@ class ClientLogin:
         packet's bytes when nothing came after it (see _plan_login)."""
         proxy = self.proxy
         params = packet.params
+        if packet.newer_than_spoken:
+            # As PostgreSQL: tell a client asking for 3.2 (or protocol options)
+            # that we speak 3.0 and none of the options, then go on in 3.0.
+            options = packet.options
+            self.transport.write(m.negotiate_protocol_version(0, options))
+            params = {name: value for name, value in params.items() if name not in options}
+            raw = None  # (a login plan would skip this answer)
         self.user = packet.user
         self.database = packet.database
         if proxy.client_tls.required and not self.tls:

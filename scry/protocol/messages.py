@@ -151,6 +151,14 @@ def parameter_status(name: str, value: str) -> bytes:
     return message(PARAMETER_STATUS, _cstr(name) + _cstr(value))
 
 
+def negotiate_protocol_version(newest_minor: int, unrecognized: Iterable[str]) -> bytes:
+    """NegotiateProtocolVersion: the newest 3.x we speak, and the ``_pq_.``
+    options of the StartupMessage we do not know."""
+    names = list(unrecognized)
+    body = struct.pack("!ii", newest_minor, len(names)) + b"".join(map(_cstr, names))
+    return message(NEGOTIATE_PROTOCOL_VERSION, body)
+
+
 def backend_key_data(pid: int, secret: int) -> bytes:
     return message(BACKEND_KEY_DATA, struct.pack("!iI", pid, secret))
 

@@ -13,6 +13,7 @@ from scry.protocol.errors import FEATURE_NOT_SUPPORTED, ProtocolViolation
 
 MAX_STARTUP_PACKET = 10000
 PROTOCOL_3_0 = 196608  # 3 << 16
+PROTOCOL_OPTION_PREFIX = "_pq_."
 SSL_REQUEST_CODE = 80877103
 GSSENC_REQUEST_CODE = 80877104
 CANCEL_REQUEST_CODE = 80877102
@@ -24,6 +25,19 @@ _HEAD = struct.Struct("!ii")
 class StartupMessage:
     protocol: int
     params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def options(self) -> list[str]:
+        """The protocol options asked for (``_pq_.name`` parameters): not settings."""
+        return [name for name in self.params if name.startswith(PROTOCOL_OPTION_PREFIX)]
+
+    @property
+    def newer_than_spoken(self) -> bool:
+        """Did the client ask for more than 3.0 (a later minor version, or options)?
+        Then it must be told what we speak: NegotiateProtocolVersion."""
+        return self.protocol != PROTOCOL_3_0 or any(
+            name.startswith(PROTOCOL_OPTION_PREFIX) for name in self.params
+        )
 
     @property
     def user(self) -> str:

@@ -79,13 +79,22 @@ def data_row(body: bytes) -> list[str | None]:
 class Raw:
     """A blocking protocol-3 client for a trust-auth proxy."""
 
-    def __init__(self, port: int, user: str = "app", database: str = "app") -> None:
+    def __init__(
+        self,
+        port: int,
+        user: str = "app",
+        database: str = "app",
+        *,
+        protocol: int = PROTOCOL_3,
+        params: dict[str, str] | None = None,
+    ) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
         self.buf = b""
-        body = struct.pack("!i", PROTOCOL_3) + cstr("user") + cstr(user)
-        body += cstr("database") + cstr(database) + b"\0"
+        body = struct.pack("!i", protocol) + cstr("user") + cstr(user)
+        body += cstr("database") + cstr(database)
+        body += b"".join(cstr(k) + cstr(v) for k, v in (params or {}).items()) + b"\0"
         self.sock.sendall(struct.pack("!i", len(body) + 4) + body)
-        login = self.until_ready()
+        login = self.login = self.until_ready()
         errors = [fields(b) for k, b in login if k == "E"]
         assert not errors, errors
         key = [b for k, b in login if k == "K"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ import pg8000.native
 import psycopg
 import psycopg.errors
 import pytest
+from rawpg import Raw, data_row, q
 
 PSQL = "/usr/bin/psql"
 N_ROWS = 1_000_000
@@ -314,3 +316,27 @@ def test_cancel_request_through_proxy(scry_proxy, pg, wait_until) -> None:
     finally:
         conn.close()
         admin.close()
+
+
+def test_a_client_asking_for_protocol_3_2_is_told_3_0(scry_proxy) -> None:
+    """As PostgreSQL does: NegotiateProtocolVersion (3.0, the _pq_ options it does
+    not know) before authentication, then the login goes on in 3.0."""
+    proxy = scry_proxy({"auth": {"type": "trust"}})
+    raw = Raw(proxy.port, protocol=(3 << 16) | 2,
+              params={"application_name": "pg18", "_pq_.future_option": "on"})  # fmt: skip
+    kind, body = raw.login[0]
+    assert kind == "v"
+    minor, count = struct.unpack_from("!ii", body)
+    assert (minor, count) == (0, 1) and body[8:] == b"_pq_.future_option\0"
+    assert [k for k, _ in raw.login[1:]].count("v") == 0 and raw.login[1][0] == "R"
+    # The option is not a setting; the rest of the startup parameters are.
+    raw.send(
+        q("select current_setting('application_name'), current_setting('_pq_.future_option', true)")
+    )
+    rows = [data_row(b) for k, b in raw.until_ready() if k == "D"]
+    assert rows == [["pg18", None]]
+    raw.close()
+    # A plain 3.0 client gets no such message.
+    plain = Raw(proxy.port)
+    assert plain.login[0][0] == "R"
+    plain.close()

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scry.protocol.errors import ProtocolViolation
+from scry.protocol.messages import negotiate_protocol_version
 from scry.protocol.startup import (
     CANCEL_REQUEST_CODE,
     GSSENC_REQUEST_CODE,
@@ -233,3 +234,22 @@ def test_arbitrary_startup_body_only_protocol_violation(body: bytes) -> None:
     assert result is not None
     pkt, _ = result
     assert isinstance(pkt, StartupMessage) and pkt.user
+
+
+def test_protocol_3_2_and_options_ask_for_negotiation() -> None:
+    def startup(protocol: int, **params: str) -> StartupMessage:
+        body = struct.pack("!i", protocol)
+        body += b"".join(k.encode() + b"\0" + v.encode() + b"\0" for k, v in params.items())
+        packet, _ = read_startup_packet(struct.pack("!i", len(body) + 5) + body + b"\0")
+        assert isinstance(packet, StartupMessage)
+        return packet
+
+    plain = startup(PROTOCOL_3_0, user="app")
+    assert not plain.newer_than_spoken and plain.options == []
+    newer = startup((3 << 16) | 2, user="app")
+    assert newer.newer_than_spoken and newer.options == []
+    options = startup(PROTOCOL_3_0, user="app", **{"_pq_.a": "1", "_pq_.b": "2"})
+    assert options.newer_than_spoken and options.options == ["_pq_.a", "_pq_.b"]
+    assert negotiate_protocol_version(0, options.options) == (
+        b"v" + struct.pack("!iii", 4 + 8 + 14, 0, 2) + b"_pq_.a\0_pq_.b\0"
+    )
