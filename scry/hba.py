@@ -95,9 +95,8 @@ class HbaRule:
 class HbaRules:
     """The rules of one HBA file, in order."""
 
-    def __init__(self, rules: list[HbaRule], path: str = "") -> None:
+    def __init__(self, rules: list[HbaRule]) -> None:
         self.rules = rules
-        self.path = path
 
     def method_for(
         self, *, local: bool, tls: bool, host: str | None, database: str, user: str
@@ -115,7 +114,7 @@ def load_hba(path: str) -> HbaRules:
     """Read and parse an HBA file; raises OSError or HbaError."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    return HbaRules(parse_hba(text, path), path)
+    return HbaRules(parse_hba(text, path))
 
 
 def parse_hba(text: str, path: str = "<hba>") -> list[HbaRule]:
