@@ -31,6 +31,9 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from scry.config import ConfigError
+from scry.userlist import read_quoted
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -171,19 +174,11 @@ def _fields(line: str, path: str, number: int) -> list[list[Token]]:
         if c == "#":
             break
         if c == '"':
-            chars, j = [], i + 1
-            while True:
-                if j >= n:
-                    raise HbaError(f"{path} line {number}: unterminated quoted name")
-                if line[j] == '"':
-                    if line[j + 1 : j + 2] == '"':
-                        chars.append('"')
-                        j += 2
-                        continue
-                    break
-                chars.append(line[j])
-                j += 1
-            token, i = Token("".join(chars), True), j + 1
+            try:
+                text, i = read_quoted(line, i, "name", f"{path} line {number}")
+            except ConfigError as exc:
+                raise HbaError(str(exc)) from None
+            token = Token(text, True)
         else:
             j = i
             while j < n and line[j] not in ' \t\r\n,#"':

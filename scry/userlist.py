@@ -16,13 +16,13 @@ from typing import Literal
 
 from scry.config import ConfigError
 
-__all__ = ["load_userlist", "parse_userlist", "secret_kind"]
+__all__ = ["load_userlist", "parse_userlist", "read_quoted", "secret_kind"]
 
 _MD5_SECRET = re.compile(r"md5[0-9a-fA-F]{32}")
 _SCRAM_SECRET = re.compile(r"SCRAM-SHA-256\$\d+:[A-Za-z0-9+/=]+\$[A-Za-z0-9+/=]+:[A-Za-z0-9+/=]+")
 
 
-def _read_quoted(line: str, pos: int, what: str, where: str) -> tuple[str, int]:
+def read_quoted(line: str, pos: int, what: str, where: str) -> tuple[str, int]:
     """Read one double-quoted field starting at or after ``pos``; return (value, next pos)."""
     while pos < len(line) and line[pos] in " \t":
         pos += 1
@@ -56,8 +56,8 @@ def parse_userlist(text: str, source: str = "auth_file") -> dict[str, str]:
         if not line or line[0] in ";#":
             continue
         where = f"{source}:{lineno}"
-        name, pos = _read_quoted(line, 0, "user name", where)
-        password, _ = _read_quoted(line, pos, "password", where)
+        name, pos = read_quoted(line, 0, "user name", where)
+        password, _ = read_quoted(line, pos, "password", where)
         if not name:
             raise ConfigError(f"{where}: empty user name")
         # Like PgBouncer: the rest of the line is ignored, a repeated user wins.
