@@ -28,6 +28,14 @@ def proxy_for(scry_proxy, mode: str, size: int, **extra):
     return scry_proxy({"pool": {"mode": mode, "size": size, **extra}})
 
 
+def recreate_table(admin: psycopg.Connection, table: str, columns: str, rows: str) -> None:
+    """A fresh table (``rows``: what INSERT takes after the name) that app may use."""
+    admin.execute(f"drop table if exists {table}")
+    admin.execute(f"create table {table} ({columns})")
+    admin.execute(f"insert into {table} {rows}")
+    admin.execute(f"grant all on {table} to app")
+
+
 # --------------------------------------------------------------------------------------
 # asyncpg: 50 connections, 5 servers
 # --------------------------------------------------------------------------------------
@@ -169,10 +177,7 @@ def test_prepare_of_a_known_statement_needs_no_server(scry_proxy, pg, mode: str)
     proxy = scry_proxy({"pool": {"mode": mode, "size": 1}, "timeouts": {"query_wait_timeout": 1}})
     table = f"prep_known_{mode}"
     with psycopg.connect(pg.dsn(user="postgres"), autocommit=True) as admin:
-        admin.execute(f"drop table if exists {table}")
-        admin.execute(f"create table {table} (id int primary key, v text)")
-        admin.execute(f"insert into {table} values (1, 'one')")
-        admin.execute(f"grant all on {table} to app")
+        recreate_table(admin, table, "id int primary key, v text", "values (1, 'one')")
         ok = psycopg.pq.ExecStatus.COMMAND_OK
         lookup = f"select v from {table} where id = $1".encode()
         with (
@@ -217,10 +222,8 @@ def test_prepared_survives_alter_table(scry_proxy, pg, mode: str) -> None:
     proxy = proxy_for(scry_proxy, mode, 2)
     table = f"prep_alter_{mode}"
     with psycopg.connect(pg.dsn(user="postgres"), autocommit=True) as admin:
-        admin.execute(f"drop table if exists {table}")
-        admin.execute(f"create table {table} (id int primary key, v text, junk int)")
-        admin.execute(f"insert into {table} select g, 'v' || g, g from generate_series(1, 50) g")
-        admin.execute(f"grant all on {table} to app")
+        recreate_table(admin, table, "id int primary key, v text, junk int",
+                       "select g, 'v' || g, g from generate_series(1, 50) g")  # fmt: skip
         conns = [
             psycopg.connect(**proxy.conninfo(), autocommit=True, prepare_threshold=0)
             for _ in range(4)
