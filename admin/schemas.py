@@ -330,6 +330,9 @@ class BreakerSnapshot(Payload):
     enabled: bool
     held: bool
     open_reason: str | None
+    #: Opened because PostgreSQL was gone: a server login tried every second
+    #: moves it to half-open as soon as one succeeds.
+    ends_on_login: bool = False
     retry_in_seconds: float | None
     config: BreakerConfigInfo
     counters: BreakerCounters

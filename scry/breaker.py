@@ -5,6 +5,7 @@ several), per worker. It is a small state machine::
 
     CLOSED --failure_threshold consecutive failures / predictive / trip()--> OPEN
     OPEN --timeout_seconds elapsed (unless held by trip())-----------------> HALF_OPEN
+    OPEN --a server login succeeded (opened because the server was gone)--> HALF_OPEN
     HALF_OPEN --success_threshold successes in a row--> CLOSED
     HALF_OPEN --any failure---------------------------> OPEN
     any state --reset()-------------------------------> CLOSED
@@ -96,6 +97,9 @@ _SICK_CODES = frozenset(
     }
 )
 _QUERY_CANCELED = "57014"
+# The server went away (shut down, crashed, not accepting yet) rather than being
+# up and sick: once a login succeeds again, it is worth probing.
+_GONE_CODES = frozenset({"57P01", "57P02", "57P03"})
 
 
 def classify_sqlstate(code: str, *, query_timeout: bool = False) -> bool:
@@ -165,6 +169,9 @@ class CircuitBreaker:
         #: Why the breaker is (or last was) open.
         self.open_reason = ""
         self.opened_at = 0.0
+        #: Opened because PostgreSQL was gone (failed logins, lost connections,
+        #: shutdown errors): a successful server login ends OPEN early.
+        self.opened_on_gone = False
         self.transitions: deque[Transition] = deque(maxlen=history)
 
         # Counters (this worker's, since start).
@@ -172,6 +179,7 @@ class CircuitBreaker:
         self.successes = 0
         self.rejections = 0
         self.consecutive_failures = 0
+        self._streak_gone = False
         self.opened_count = 0
         self.last_failure_reason = ""
 
@@ -208,22 +216,27 @@ class CircuitBreaker:
         if self.state is not CLOSED:
             self._success_slow()
 
-    def record_failure(self, reason: str) -> None:
+    def record_failure(self, reason: str, *, gone: bool = False) -> None:
         """Count a failure: connect failure, connection lost, query timeout, sick SQLSTATE.
 
         ``reason`` is short and human ("connection refused", "57P01 terminating
         connection due to administrator command") and ends up in the message
-        clients see while the breaker is open.
+        clients see while the breaker is open. ``gone``: the failure says the
+        server was not there (a failed login, a lost connection, a shutdown
+        error); if it opens the breaker, :meth:`login_succeeded` may end OPEN early.
         """
         self.failures += 1
         self.consecutive_failures += 1
+        # The streak says "gone" only if every failure in it does.
+        self._streak_gone = gone and (self._streak_gone or self.consecutive_failures == 1)
         self.last_failure_reason = reason
         state = self.state
         if state is CLOSED:
             if self.enabled and self.consecutive_failures >= self.failure_threshold:
-                self._open(f"{self.consecutive_failures} consecutive failures: {reason}")
+                reason = f"{self.consecutive_failures} consecutive failures: {reason}"
+                self._open(reason, self._streak_gone)
         elif state is HALF_OPEN:
-            self._open(f"probe failed: {reason}")
+            self._open(f"probe failed: {reason}", gone)
         # OPEN: a transaction from before the breaker opened; counted, nothing more.
 
     def record_server_error(
@@ -236,8 +249,24 @@ class CircuitBreaker:
         """
         if not classify_sqlstate(sqlstate, query_timeout=query_timeout):
             return False
-        self.record_failure(f"{sqlstate} {message}".rstrip())
+        gone = sqlstate in _GONE_CODES or sqlstate[:2] == "08"
+        self.record_failure(f"{sqlstate} {message}".rstrip(), gone=gone)
         return True
+
+    def login_succeeded(self) -> bool:
+        """A server login succeeded; True if that moved the breaker to HALF_OPEN.
+
+        A breaker opened because PostgreSQL was gone (a restart, a failover)
+        need not refuse clients for the whole ``timeout_seconds`` once the
+        server takes logins again: it goes half-open, and the usual probes
+        decide. One opened on errors from a server that was up, by the health
+        monitor or by an operator waits for its timeout (or reset) as before:
+        a login proves nothing about those.
+        """
+        if self.state is OPEN and self.opened_on_gone and not self.held:
+            self._move(HALF_OPEN, "a server login succeeded")
+            return True
+        return False
 
     def release(self) -> None:
         """A probe let through by :meth:`allow` ended without a verdict (the client left)."""
@@ -248,14 +277,15 @@ class CircuitBreaker:
     # Operations (admin API, the health monitor's tick)
     # ------------------------------------------------------------------ #
 
-    def trip(self, reason: str, *, hold: bool = True) -> bool:
+    def trip(self, reason: str, *, hold: bool = True, gone: bool = False) -> bool:
         """Open the breaker now. Returns True if the state or hold changed.
 
         ``hold=True`` (the admin API's manual trip) keeps it open until
         :meth:`reset`, like resilience4j's FORCED_OPEN. ``hold=False`` (the
         predictive opening) behaves like an opening on failures: half-open
         after ``timeout_seconds``. A non-held trip is ignored when the breaker
-        is disabled or already open.
+        is disabled or already open. ``gone``: as in :meth:`record_failure` (a
+        breaker opened by another worker says why it opened).
         """
         if not hold and (not self.enabled or self.state is OPEN):
             return False
@@ -267,7 +297,7 @@ class CircuitBreaker:
             self._record(OPEN, OPEN, reason)
             return True
         self.held = hold
-        self._open(reason)
+        self._open(reason, gone)
         return True
 
     def reset(self, reason: str = "manual reset") -> bool:
@@ -298,7 +328,9 @@ class CircuitBreaker:
             return 1.0
         if self.held:
             return math.inf
-        return max(0.0, self.opened_at + self.timeout_seconds - self._now())
+        remaining = max(0.0, self.opened_at + self.timeout_seconds - self._now())
+        # Opened on a gone server: the proxy tries a login every second.
+        return min(1.0, remaining) if self.opened_on_gone else remaining
 
     def rejection_message(self, database: str | None = None) -> tuple[str, str]:
         """The ``(sqlstate, message)`` for the ErrorResponse sent to a refused transaction."""
@@ -332,6 +364,7 @@ class CircuitBreaker:
             "enabled": self.enabled,
             "held": self.held,
             "open_reason": self.open_reason if self.state is not CLOSED else None,
+            "ends_on_login": self.state is OPEN and self.opened_on_gone and not self.held,
             "retry_in_seconds": None if math.isinf(retry) else round(retry, 3),
             "config": {
                 "failure_threshold": self.failure_threshold,
@@ -402,8 +435,9 @@ class CircuitBreaker:
         if self.probes_in_flight and now - self._last_probe_at >= self.timeout_seconds:
             self.probes_in_flight = 0
 
-    def _open(self, reason: str) -> None:
+    def _open(self, reason: str, gone: bool = False) -> None:
         self.open_reason = reason
+        self.opened_on_gone = gone
         self.opened_at = self._now()
         self.opened_count += 1
         self._move(OPEN, reason)

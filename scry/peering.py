@@ -355,6 +355,7 @@ class Peering:
             "db": breaker.name,
             "state": str(transition.to_state),
             "held": breaker.held,
+            "gone": breaker.opened_on_gone,
             "reason": transition.reason,
             "worker": self.worker_id,
         }
@@ -369,7 +370,7 @@ class Peering:
         self._applying = True
         try:
             if message["state"] == str(OPEN):
-                breaker.trip(reason, hold=bool(message.get("held")))
+                breaker.trip(reason, hold=bool(message.get("held")), gone=bool(message.get("gone")))
             elif message["state"] == str(CLOSED):
                 breaker.reset(reason)
         finally:

@@ -50,8 +50,8 @@ class Pool(PoolCore):
     # Slots: more than 30 attributes (with more, CPython 3.11 gives up sharing
     # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
-        "_connect_failures", "_greetings", "_reserve_timer", "_retry_handle", "_wait_us_seen",
-        "_waits_seen", "_welcome_future", "health", "last_error", "max_message_size",
+        "_connect_failures", "_greetings", "_next_probe_at", "_reserve_timer", "_retry_handle",
+        "_wait_us_seen", "_waits_seen", "_welcome_future", "health", "last_error", "max_message_size",
         "max_wait_started", "name", "parsed_statements", "server_password", "server_user",
         "servers_closed", "servers_opened", "setting_spellings", "startup_params", "stats",
         "target", "__weakref__"
@@ -87,6 +87,7 @@ class Pool(PoolCore):
         self._retry_handle: asyncio.TimerHandle | None = None
         self._reserve_timer: asyncio.TimerHandle | None = None
         self._connect_failures = 0
+        self._next_probe_at = 0.0  # probe_login's schedule
         self.stale = False  # config changed: retire servers as they come back
         self.paused = False  # PAUSE: no server for new transactions until RESUME
         self.breaker = proxy.breaker_for(target.name)
@@ -337,12 +338,13 @@ class Pool(PoolCore):
         if self.welcome is None:
             self.welcome = dict(server.params)
         self._resolve_welcome(None)
+        self.breaker.login_succeeded()  # the server is back: half-open before release
         self.release(server)
 
     def _on_connect_failed(self, exc: Exception) -> None:
         self.last_error = exc
         self._connect_failures += 1
-        self.breaker.record_failure(connect_error(exc)[1])
+        self.breaker.record_failure(connect_error(exc)[1], gone=True)
         event(
             "server connection failed",
             logging.WARNING,
@@ -360,6 +362,17 @@ class Pool(PoolCore):
         elif self.waiters and self._retry_handle is None:
             delay = min(5.0, 0.1 * 2 ** min(self._connect_failures, 6))
             self._retry_handle = asyncio.get_running_loop().call_later(delay, self._retry)
+
+    def probe_login(self, now: float) -> None:
+        """One server login to see whether PostgreSQL is back (the breaker is open).
+
+        Every second for the first half minute of failures (a restart is over
+        by then), then every 5 s, so a long outage logs a line per 5 s, not per second.
+        """
+        if now < self._next_probe_at or self.paused or self.connecting or self.full:
+            return
+        self._next_probe_at = now + (1.0 if self._connect_failures < 30 else 5.0)
+        self._spawn()
 
     def _retry(self) -> None:
         self._retry_handle = None

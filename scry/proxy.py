@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from scry import __version__
 from scry.auth import AuthPolicy
-from scry.breaker import CLOSED, CircuitBreaker, Transition, classify_sqlstate
+from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
 from scry.health import HealthMonitor, Signal
 from scry.hybrid import TransactionTracker, unfollowed
@@ -431,6 +431,8 @@ class Proxy:
             pool.health.observe_pool_state(saturation, waiting, pool.oldest_wait())
         for name, breaker in self.breakers.items():
             breaker.tick()
+            if breaker.state is OPEN and breaker.opened_on_gone and not breaker.held:
+                self._probe_login(name, self.clock)
             monitor = self.health.get(name)
             if monitor is None:
                 continue
@@ -440,6 +442,15 @@ class Proxy:
                 self._report_anomalies(name, before, signals)
             if breaker.state is CLOSED and (reason := monitor.should_open()):
                 breaker.trip(reason, hold=False)
+
+    def _probe_login(self, database: str, now: float) -> None:
+        """A breaker opened because PostgreSQL was gone: try a login now and then
+        (Pool.probe_login), so it goes half-open when the server is back, not
+        after its timeout."""
+        for pool in self.pools.values():
+            if pool.target.name == database:
+                pool.probe_login(now)
+                return
 
     def _report_anomalies(self, database: str, before: list[Signal], now: list[Signal]) -> None:
         """A line when a health signal appears (counted for Prometheus), one when it clears."""

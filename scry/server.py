@@ -595,7 +595,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         client = self.client
         if client is not None and self.sqlstate is None:
             # Lost mid-request without an error saying why: the server is sick.
-            self.breaker.record_failure("server connection lost")
+            self.breaker.record_failure("server connection lost", gone=True)
         self.close(reason)
         if client is not None:
             client.on_server_lost(self, reason)

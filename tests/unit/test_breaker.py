@@ -346,6 +346,102 @@ def test_predictive_trip_times_out_like_a_normal_opening() -> None:
     assert breaker.state is HALF_OPEN
 
 
+# --------------------------------------------------------------------------- #
+# a gone server: a login ends OPEN early
+# --------------------------------------------------------------------------- #
+
+
+def open_on_gone(clock: Clock) -> CircuitBreaker:
+    breaker = make(clock)
+    for _ in range(breaker.failure_threshold):
+        breaker.record_failure("connection refused", gone=True)
+    assert breaker.state is OPEN and breaker.opened_on_gone
+    return breaker
+
+
+def test_a_login_moves_a_breaker_opened_on_a_gone_server_to_half_open() -> None:
+    clock = Clock()
+    breaker = open_on_gone(clock)
+    assert breaker.allow() is False
+    assert breaker.retry_after() == 1.0  # the proxy tries a login every second
+    assert "retry in 1 s" in breaker.rejection_message()[1]
+    assert breaker.snapshot()["ends_on_login"] is True
+    clock.t += 2
+    assert breaker.login_succeeded() is True
+    assert breaker.state is HALF_OPEN
+    assert breaker.transitions[-1].reason == "a server login succeeded"
+    assert breaker.snapshot()["ends_on_login"] is False
+    # From here the probes decide, as after a timeout.
+    for _ in range(breaker.success_threshold):
+        assert breaker.allow() is True
+        breaker.record_success()
+    assert breaker.state is CLOSED
+    assert breaker.login_succeeded() is False
+
+
+def test_shutdown_and_connection_errors_say_the_server_is_gone() -> None:
+    for code in ("57P01", "57P02", "57P03", "08006"):
+        breaker = make()
+        for _ in range(breaker.failure_threshold):
+            breaker.record_server_error(code, "terminating connection")
+        assert breaker.opened_on_gone, code
+    for code in ("XX000", "53100", "58030", "53300"):
+        breaker = make()
+        for _ in range(breaker.failure_threshold):
+            breaker.record_server_error(code, "sick")
+        assert breaker.state is OPEN and not breaker.opened_on_gone, code
+        assert breaker.login_succeeded() is False
+        assert breaker.state is OPEN
+
+
+def test_a_streak_is_gone_only_if_every_failure_in_it_is() -> None:
+    breaker = make()
+    breaker.record_failure("XX000 could not read block")
+    for _ in range(breaker.failure_threshold - 1):
+        breaker.record_failure("server connection lost", gone=True)
+    assert breaker.state is OPEN and not breaker.opened_on_gone
+    assert breaker.login_succeeded() is False
+    # A success starts a new streak.
+    breaker = make()
+    breaker.record_failure("XX000 could not read block")
+    breaker.record_success()
+    for _ in range(breaker.failure_threshold):
+        breaker.record_failure("server connection lost", gone=True)
+    assert breaker.opened_on_gone
+
+
+def test_a_login_does_not_end_a_predictive_or_manual_opening() -> None:
+    clock = Clock()
+    breaker = make(clock)
+    breaker.trip("predictive: p99 latency", hold=False)
+    assert breaker.login_succeeded() is False
+    assert breaker.retry_after() == 30
+    breaker = open_on_gone(clock)
+    breaker.trip("maintenance")  # an operator holds it
+    assert breaker.login_succeeded() is False
+    assert breaker.state is OPEN
+
+
+def test_a_probe_that_cannot_log_in_reopens_on_gone() -> None:
+    clock = Clock()
+    breaker = open_on_gone(clock)
+    breaker.login_succeeded()
+    assert breaker.allow() is True
+    breaker.record_failure("connection refused", gone=True)
+    assert breaker.state is OPEN and breaker.opened_on_gone
+    assert breaker.login_succeeded() is True
+    # ... but a probe that fails on a sick server waits for the timeout.
+    assert breaker.allow() is True
+    breaker.record_server_error("XX001", "invalid page")
+    assert breaker.state is OPEN and not breaker.login_succeeded()
+
+
+def test_a_peer_trip_carries_whether_the_server_was_gone() -> None:
+    breaker = make()
+    breaker.trip("worker 1: 5 consecutive failures: connection refused", hold=False, gone=True)
+    assert breaker.login_succeeded() is True
+
+
 def test_reset_from_half_open_and_forgets_the_streak() -> None:
     clock = Clock()
     breaker = half_open(clock)
