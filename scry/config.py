@@ -181,6 +181,11 @@ class PoolConfig(_Model):
     max_prepared_statements: Int = Field(200, ge=0)
     server_reset_query: str = "DISCARD ALL"
     server_reset_query_always: bool = False
+    #: PgBouncer's: server connections to one database (all users' pools
+    #: together) and of one server user (all databases); 0 = no limit.
+    #: Room is made by closing an idle server of another pool (scry.connection_limits).
+    max_db_connections: Int = Field(0, ge=0)
+    max_user_connections: Int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _min_not_above_size(self) -> PoolConfig:
@@ -201,6 +206,8 @@ class PoolOverride(_Model):
     max_prepared_statements: Int | None = Field(None, ge=0)
     server_reset_query: str | None = None
     server_reset_query_always: bool | None = None
+    max_db_connections: Int | None = Field(None, ge=0)
+    max_user_connections: Int | None = Field(None, ge=0)
 
     def merged_with(self, base: PoolConfig) -> PoolConfig:
         """The effective pool settings: ``base`` with this override's set fields."""
@@ -396,6 +403,7 @@ class PgbouncerUserOverride(_Model):
     pool_mode: PoolMode | None = None
     pool_size: Int | None = Field(None, ge=1)
     reserve_pool_size: Int | None = Field(None, ge=0)
+    max_user_connections: Int | None = Field(None, ge=0)
 
 
 class PgbouncerCompatConfig(_Model):

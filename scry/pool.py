@@ -16,6 +16,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
+from scry import connection_limits
 from scry.config import DatabaseTarget, PoolConfig
 from scry.log import event
 from scry.protocol import messages as m
@@ -51,10 +52,10 @@ class Pool(PoolCore):
     # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
         "_connect_failures", "_greetings", "_next_probe_at", "_reserve_timer", "_retry_handle",
-        "_wait_us_seen", "_waits_seen", "_welcome_future", "health", "last_error", "max_message_size",
-        "max_wait_started", "name", "parsed_statements", "server_password", "server_user",
-        "servers_closed", "servers_opened", "setting_spellings", "startup_params", "stats",
-        "target", "__weakref__"
+        "_wait_us_seen", "_waits_seen", "_welcome_future", "health", "last_error", "limit_blocked",
+        "limit_claim", "max_message_size", "max_wait_started", "name", "parsed_statements",
+        "server_password", "server_user", "servers_closed", "servers_opened", "setting_spellings",
+        "startup_params", "stats", "target", "__weakref__"
     )  # fmt: skip
 
     def __init__(
@@ -88,6 +89,10 @@ class Pool(PoolCore):
         self._reserve_timer: asyncio.TimerHandle | None = None
         self._connect_failures = 0
         self._next_probe_at = 0.0  # probe_login's schedule
+        # max_db_connections / max_user_connections (scry.connection_limits): this
+        # pool was refused a server, and the busy server of a peer it claimed.
+        self.limit_blocked = False
+        self.limit_claim: ServerConnection | None = None
         self.stale = False  # config changed: retire servers as they come back
         self.paused = False  # PAUSE: no server for new transactions until RESUME
         self.breaker = proxy.breaker_for(target.name)
@@ -227,7 +232,8 @@ class Pool(PoolCore):
             server.close("released while not idle")
             return
         if server.retire or self.stale:
-            server.close("server_lifetime" if not self.stale else "config changed")
+            reason = "config changed" if self.stale else "server_lifetime"
+            server.close(connection_limits.EVICTED if server.evicted else reason)
             self._open_for_waiters()
             return
         waiters = self.waiters
@@ -312,6 +318,10 @@ class Pool(PoolCore):
         self._open_for_waiters()  # (re-arms for the next waiter if need be)
 
     def _spawn(self) -> None:
+        if connection_limits.limited(self) and not connection_limits.room_for_one_more(
+            self, self.proxy.pools.values()
+        ):
+            return  # woken by connection_limits.server_closed
         self.connecting += 1
         asyncio.get_running_loop().create_task(self._connect_one())
 
@@ -344,6 +354,8 @@ class Pool(PoolCore):
     def _on_connect_failed(self, exc: Exception) -> None:
         self.last_error = exc
         self._connect_failures += 1
+        if connection_limits.limited(self):
+            connection_limits.server_closed(self, None, self.proxy.pools.values())
         self.breaker.record_failure(connect_error(exc)[1], gone=True)
         event(
             "server connection failed",
@@ -492,8 +504,29 @@ class Pool(PoolCore):
             pass
         self.servers_closed += 1
         event("server closed", server=server.id, pool=self.name, reason=server.close_reason)
+        if connection_limits.limited(self):  # (first: a peer that claimed it gets the room)
+            connection_limits.server_closed(self, server, self.proxy.pools.values())
         if self.waiters:
             self._open_for_waiters()
+
+    @property
+    def starved(self) -> bool:
+        """Clients wait for a server: queued, or logging in to a pool with none yet."""
+        return bool(self.waiters) or self._welcome_future is not None
+
+    def room_made(self) -> None:
+        """A connection limit this pool shares has room again (scry.connection_limits)."""
+        if self._welcome_future is not None and not self.connecting:
+            self._spawn()  # a login waits for the pool's first server
+        self._open_for_waiters()
+
+    def close_parked_server(self, reason: str) -> bool:
+        """Close the server of the longest-parked client; False if none is parked."""
+        server = self._take_parked()
+        if server is None:
+            return False
+        server.close(reason)
+        return True
 
     def maintain(self, now: float) -> None:
         """Janitor pass: retire old or long-idle servers, keep ``min_size`` open."""

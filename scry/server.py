@@ -124,7 +124,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     __slots__ = (
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
-        "close_reason", "copy_early", "copy_window", "created_at", "id",
+        "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
         "internal_error_fields", "local_addr", "params", "proxy", "release_after_cancel", "tls",
         "__weakref__"
     )  # fmt: skip
@@ -167,6 +167,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.tls = False
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
+        self.evicted = False  # retired for another pool (scry.connection_limits)
         self.cancels_pending = 0  # CancelRequests sent and not yet processed by PostgreSQL
         self.release_after_cancel = False
         self.statements = ServerStatements(

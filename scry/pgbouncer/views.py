@@ -152,7 +152,8 @@ def show_databases(console: AdminConsole) -> bytes:
         rows.append([
             name, "unix" if target.host.startswith("/") else target.host, target.port,
             target.dbname, target.user, target.pool.size, target.pool.min_size,
-            target.pool.reserve_size, lifetime, mode, None, 0, servers.get(name, 0), 0,
+            target.pool.reserve_size, lifetime, mode, None, target.pool.max_db_connections,
+            servers.get(name, 0), 0,
             clients.get(name, 0), paused, name in console.state.disabled,
         ])  # fmt: skip
     port = config.listen_host_port[1]
@@ -175,15 +176,18 @@ def show_users(console: AdminConsole) -> bytes:
     for client in list(console.proxy.clients):
         clients[client.user] = clients.get(client.user, 0) + 1
     names = set(console.proxy.auth.users) | set(overrides) | {ADMIN_DB}
+    default_limit = console.proxy.config.pool.max_user_connections
     rows = []
     for name in sorted(names):
         o = overrides.get(name)
+        limit = o.max_user_connections if o is not None else None
         rows.append([
             name,
             f"{o.pool_size:9d}" if o is not None and o.pool_size is not None else "",
             f"{o.reserve_pool_size:9d}" if o is not None and o.reserve_pool_size is not None else "",
             o.pool_mode if o is not None else None,
-            0, servers.get(name, 0), 0, clients.get(name, 0),
+            default_limit if limit is None else limit, servers.get(name, 0), 0,
+            clients.get(name, 0),
         ])  # fmt: skip
     return result(columns, rows, "SHOW")
 

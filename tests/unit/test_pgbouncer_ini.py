@@ -128,6 +128,7 @@ def test_effective_config(ini_path: Path) -> None:
     assert compat.ignore_startup_parameters == ["extra_float_digits", "options"]
     assert compat.users["batch"].pool_mode == "session"
     assert compat.users["batch"].pool_size == 2
+    assert compat.users["batch"].max_user_connections == 4
     assert compat.autodb is not None and "host=10.0.0.9" in compat.autodb.database_url
     assert compat.conffile == str(ini_path)
     assert config.peer_id == 1
@@ -139,11 +140,9 @@ def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
     unsupported = sorted(w.split(" ")[2] for w in warnings if w.startswith("not supported: "))
     # tcp_keepcnt is set twice, reported once; tcp_keepalive = 1 and
     # log_connections = 1 are PgBouncer's defaults: nothing to report.
-    assert unsupported == sorted(["tcp_keepcnt", "server_round_robin", "[databases]", "[users]"]), (
-        warnings
-    )
+    assert unsupported == sorted(["tcp_keepcnt", "server_round_robin", "[databases]"]), warnings
     assert any("connect_query" in w for w in warnings)
-    assert any("max_user_connections" in w for w in warnings)
+    assert not any("max_user_connections" in w for w in warnings)  # in effect
     assert any(w.startswith("differs: listen_addr") for w in warnings)
     assert len(warnings) == len(set(warnings))
 
@@ -263,3 +262,26 @@ def test_auth_query_is_reported_not_in_effect(tmp_path: Path) -> None:
     )
     assert any(w.startswith("not supported: [databases] auth_user") for w in warnings), warnings
     assert config.auth is not None and config.auth.auth_user is None
+
+
+def test_connection_limits_become_pool_settings(tmp_path: Path) -> None:
+    path = tmp_path / "limits.ini"
+    path.write_text(
+        "[databases]\n"
+        "app = host=127.0.0.1 max_db_connections=7\n"
+        "other = host=127.0.0.1\n"
+        "[users]\n"
+        "batch = max_user_connections=2\n"
+        "[pgbouncer]\n"
+        "listen_addr = 127.0.0.1\n"
+        "max_db_connections = 30\n"
+        "max_user_connections = 12\n"
+    )
+    config, warnings = load_pgbouncer_config(path, env={})
+    assert warnings == []
+    assert (config.pool.max_db_connections, config.pool.max_user_connections) == (30, 12)
+    targets = config.targets()
+    assert targets["app"].pool.max_db_connections == 7
+    assert targets["other"].pool.max_db_connections == 30
+    assert config.pgbouncer is not None
+    assert config.pgbouncer.users["batch"].max_user_connections == 2

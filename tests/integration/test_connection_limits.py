@@ -1,0 +1,149 @@
+"""PgBouncer's max_db_connections and max_user_connections: several pools, one bound.
+
+A pool is a (database, server user) pair. Two users on one database make two
+pools that ``pool.max_db_connections`` bounds together; two database names
+served by one user make two pools that ``pool.max_user_connections`` bounds
+together. pg_stat_activity is the judge of how many servers scry holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from scry.devcluster import DevCluster
+
+USERS = [{"name": "app", "password": "app_pass"}, {"name": "md5_user", "password": "md5_pass"}]
+
+
+def _proxy(scry_proxy: Callable[..., Any], pg: DevCluster, **pool: Any) -> Any:
+    # No user in the URL: each client's pool logs in as the client's own user.
+    url = f"postgres://{pg.host}:{pg.port}/app"
+    return scry_proxy(
+        {
+            "database_url": url,
+            "databases": {"app": {"database_url": url}, "app2": {"database_url": url}},
+            "auth": {"type": "md5", "users": USERS},
+            "pool": {"mode": "transaction", "size": 5, **pool},
+        }
+    )
+
+
+async def _connect(proxy: Any, user: str = "app", dbname: str = "app") -> psycopg.AsyncConnection:
+    password = next(u["password"] for u in USERS if u["name"] == user)
+    return await psycopg.AsyncConnection.connect(
+        **proxy.conninfo(user=user, password=password, dbname=dbname), autocommit=True
+    )
+
+
+async def _in_transaction(proxy: Any, count: int, **who: str) -> list[psycopg.AsyncConnection]:
+    conns = []
+    for _ in range(count):
+        conn = await _connect(proxy, **who)
+        await conn.execute("begin")
+        await conn.execute("select 1")
+        conns.append(conn)
+    return conns
+
+
+def _servers(pg: DevCluster, proxy: Any, backend_count: Callable[..., int]) -> int:
+    return sum(backend_count(pg, proxy=proxy, user=u["name"]) for u in USERS)
+
+
+async def test_a_pool_at_max_db_connections_gets_a_busy_server_of_a_larger_pool(
+    pg: DevCluster, scry_proxy: Callable[..., Any], backend_count: Callable[..., int]
+) -> None:
+    proxy = _proxy(scry_proxy, pg, max_db_connections=3)
+    # (A pool's first client waits for a server login, as in PgBouncer: log in first.)
+    other = await _connect(proxy, user="md5_user")
+    await other.execute("select 1")
+    holders = await _in_transaction(proxy, 3)  # md5_user's server makes room for the third
+    assert backend_count(pg, proxy=proxy, user="app") == 3
+    assert _servers(pg, proxy, backend_count) == 3
+    query = asyncio.create_task(other.execute("select current_user"))
+    done, _ = await asyncio.wait({query}, timeout=0.5)
+    assert not done, "md5_user's pool opened a fourth server"
+    assert _servers(pg, proxy, backend_count) == 3
+
+    # One of the three was claimed: it is closed when its transaction ends, and
+    # md5_user's pool opens its server in its place.
+    for conn in holders:
+        await conn.execute("commit")
+        done, _ = await asyncio.wait({query}, timeout=0.5)
+        assert _servers(pg, proxy, backend_count) <= 3
+        if done:
+            break
+    cursor = await query
+    assert await cursor.fetchone() == ("md5_user",)
+    assert "server claimed" in proxy.log_text()
+    assert "evicted (max_db_connections / max_user_connections)" in proxy.log_text()
+    for conn in [*holders, other]:
+        await conn.close()
+
+
+async def test_an_idle_server_of_another_pool_is_closed_to_make_room(
+    pg: DevCluster, scry_proxy: Callable[..., Any], backend_count: Callable[..., int]
+) -> None:
+    proxy = _proxy(scry_proxy, pg, max_db_connections=2)
+    other = await _connect(proxy, user="md5_user")  # its pool's login server...
+    holders = await _in_transaction(proxy, 2)  # ... is closed for app's second
+    for conn in holders:
+        await conn.execute("commit")  # between transactions: their servers are free
+    assert backend_count(pg, proxy=proxy, user="app") == 2
+    assert _servers(pg, proxy, backend_count) == 2
+    started = time.monotonic()
+    cursor = await other.execute("select current_user")
+    assert await cursor.fetchone() == ("md5_user",)
+    assert time.monotonic() - started < 0.5  # no wait for a timeout or the janitor
+    assert backend_count(pg, proxy=proxy, user="md5_user") == 1
+    assert backend_count(pg, proxy=proxy, user="app") == 1
+    # The holders still work: one of them gets the server left, one waits its turn.
+    for conn in holders:
+        assert await (await conn.execute("select 1")).fetchone() == (1,)
+    assert _servers(pg, proxy, backend_count) <= 2
+    for conn in [*holders, other]:
+        await conn.close()
+
+
+@pytest.mark.parametrize("limit", ["max_user_connections", "max_db_connections"])
+async def test_pools_sharing_a_limit_all_finish_under_load_and_never_exceed_it(
+    pg: DevCluster, scry_proxy: Callable[..., Any], backend_count: Callable[..., int], limit: str
+) -> None:
+    proxy = _proxy(scry_proxy, pg, **{limit: 3})
+    # max_user_connections: user app on two database names (two pools, one user);
+    # max_db_connections: two users on database app (two pools, one database).
+    if limit == "max_user_connections":
+        who = [{"user": "app", "dbname": "app"}, {"user": "app", "dbname": "app2"}]
+    else:
+        who = [{"user": "app", "dbname": "app"}, {"user": "md5_user", "dbname": "app"}]
+    conns = [await _connect(proxy, **who[i % 2]) for i in range(10)]
+    peak = 0
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, await asyncio.to_thread(_servers, pg, proxy, backend_count))
+            await asyncio.sleep(0.02)
+
+    async def client(conn: psycopg.AsyncConnection) -> int:
+        for _ in range(15):
+            async with conn.transaction():
+                await conn.execute("select pg_sleep(0.005)")
+        return 15
+
+    sampler = asyncio.create_task(sample())
+    try:
+        finished = await asyncio.wait_for(asyncio.gather(*(client(c) for c in conns)), 60)
+    finally:
+        stop.set()
+        await sampler
+    assert sum(finished) == 150
+    assert 1 <= peak <= 3, peak
+    for conn in conns:
+        await conn.close()
