@@ -12,8 +12,8 @@ connections. It::
          └── exits when every worker has exited on purpose (exit code 0)
 
 Budgets are fleet budgets: :func:`share` divides ``pool.size``, ``min_size``,
-``reserve_size`` and ``max_client_conn`` (top level and per database) so that
-the workers together never exceed what the config says. Cancel forwarding,
+``reserve_size``, ``max_client_conn`` and the connection limits (top level and
+per database) so that the workers together never exceed what the config says. Cancel forwarding,
 shared breaker state and rolling restarts live in :mod:`scry.peering`.
 """
 
@@ -47,8 +47,10 @@ __all__ = [
 
 #: Worker ids are 6 bits of the cancel key (see scry.peering).
 MAX_WORKERS = 64
-#: The budgets divided across workers.
-DIVIDED = ("size", "min_size", "reserve_size", "max_client_conn")
+#: The budgets divided across workers (a connection limit of 0, none, stays 0).
+DIVIDED = ("size", "min_size", "reserve_size", "max_client_conn", "max_db_connections",
+           "max_user_connections")  # fmt: skip
+_LIMITS = ("max_db_connections", "max_user_connections")
 
 # Restart backoff: 0.1 s doubling to 10 s; a worker that ran this long resets it.
 BACKOFF_FIRST = 0.1
@@ -135,12 +137,16 @@ def worker_config(
 
 
 def _budgets(config: Config) -> dict[str, int]:
-    """The smallest size and max_client_conn any database runs with."""
+    """The smallest size, max_client_conn and connection limit any database runs with."""
     pools: list[PoolConfig | PoolOverride] = [config.pool]
     pools += [db.pool for db in config.databases.values() if db.pool is not None]
     sizes = [p.size for p in pools if p.size is not None]
     conns = [p.max_client_conn for p in pools if p.max_client_conn is not None]
-    return {"pool.size": min(sizes), "max_client_conn": min(conns)}
+    budgets = {"pool.size": min(sizes), "max_client_conn": min(conns)}
+    for limit in _LIMITS:
+        if values := [v for p in pools if (v := getattr(p, limit))]:  # (0 or None: no limit)
+            budgets[f"pool.{limit}"] = min(values)
+    return budgets
 
 
 def resolve_workers(config: Config) -> int:

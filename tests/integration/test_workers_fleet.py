@@ -38,9 +38,11 @@ def test_worker_config_divides_every_budget(tmp_path: Path) -> None:
     path = tmp_path / "scry.yaml"
     path.write_text(
         "database_url: postgresql://app@localhost/app\n"
-        "pool: {size: 10, min_size: 3, reserve_size: 2, max_client_conn: 101}\n"
+        "pool: {size: 10, min_size: 3, reserve_size: 2, max_client_conn: 101,\n"
+        "       max_user_connections: 6}\n"
         "databases:\n"
-        "  big: {database_url: 'postgresql://app@localhost/big', pool: {size: 9}}\n"
+        "  big: {database_url: 'postgresql://app@localhost/big',\n"
+        "        pool: {size: 9, max_db_connections: 5}}\n"
         "admin: {enabled: true}\n"
     )
     config = load_config(path, env={})
@@ -51,6 +53,9 @@ def test_worker_config_divides_every_budget(tmp_path: Path) -> None:
     assert sum(c.pool.max_client_conn for c in shares) == 101
     big = [c.targets()["big"].pool for c in shares]
     assert [p.size for p in big] == [3, 2, 2, 2]
+    assert [p.max_db_connections for p in big] == [2, 1, 1, 1]
+    assert [c.pool.max_user_connections for c in shares] == [2, 2, 1, 1]
+    assert [c.pool.max_db_connections for c in shares] == [0, 0, 0, 0]  # no limit stays none
     assert all(t.pool.min_size <= t.pool.size for c in shares for t in c.targets().values())
     assert [c.admin.enabled for c in shares] == [True, False, False, False]
     assert worker_config(config, 1, 0) is config
@@ -64,6 +69,9 @@ def test_resolve_workers(tmp_path: Path) -> None:
         resolve_workers(load_config(path, env={}, overrides={"workers": 4}))
     auto = resolve_workers(load_config(path, env={}, overrides={"workers": "auto"}))
     assert 1 <= auto <= min(3, os.cpu_count() or 1)
+    limited = {"workers": 3, "pool": {"size": 3, "max_db_connections": 2}}
+    with pytest.raises(ValueError, match="pool.max_db_connections 2"):
+        resolve_workers(load_config(path, env={}, overrides=limited))
 
 
 # --- helpers -------------------------------------------------------------------------------
