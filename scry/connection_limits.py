@@ -15,9 +15,15 @@ idle). PgBouncer stops there, so a pool whose peers never go idle starves until
 more than the waiting pool (so giving one up never makes it the smaller one,
 and two pools never trade a server back and forth) to close one busy server
 when its transaction ends; the waiting pool opens its server when that one
-closes. Each waiting pool has one such claim at a time.
-Where no peer holds more, the janitor lets a blocked pool try again once a
-second, which closes peer servers that went idle in the meantime.
+closes. Each waiting pool has one such claim at a time. A blocked pool also
+tries again after 10 ms, doubling to 100 ms (``Pool.retry_when_room``), so a
+peer server that goes idle in the meantime is taken soon after, where
+PgBouncer's maintenance on every loop turn takes it at once.
+
+A server scry closes counts against the limit until PostgreSQL has closed the
+connection too (``Pool.exiting``; ``ServerConnection.close``), so its
+replacement never logs in while the old backend still runs and PostgreSQL
+never sees more than the limit. PgBouncer opens the replacement at once.
 
 Nothing here runs per query: only when a pool opens a server and when one closes.
 """
@@ -34,7 +40,7 @@ if TYPE_CHECKING:
     from scry.pool import Pool
     from scry.server import ServerConnection
 
-__all__ = ["EVICTED", "limited", "retry_blocked", "room_for_one_more", "server_closed"]
+__all__ = ["EVICTED", "limited", "room_for_one_more", "server_closed"]
 
 EVICTED = "evicted (max_db_connections / max_user_connections)"
 
@@ -66,14 +72,16 @@ def room_for_one_more(pool: Pool, pools: Iterable[Pool]) -> bool:
         if starved:
             _making_room = True
             try:
-                while sum(map(_count, peers)) >= limit and _close_longest_idle(others):
+                while sum(map(_open, peers)) >= limit and _close_longest_idle(others):
                     pass
             finally:
                 _making_room = False
         if sum(map(_count, peers)) >= limit:
             if starved:
                 pool.limit_blocked = True
-                _claim_busy(pool, others, what, limit)
+                if sum(map(_open, peers)) >= limit:  # (else a backend exits to make room)
+                    _claim_busy(pool, others, what, limit)
+                pool.retry_when_room()
             return False
     return True
 
@@ -92,16 +100,7 @@ def server_closed(pool: Pool, server: ServerConnection | None, pools: Iterable[P
             peers.insert(0, claimant)
         for peer in peers:
             if peer.limit_blocked:
-                peer.limit_blocked = False
                 peer.room_made()
-
-
-def retry_blocked(pools: Iterable[Pool]) -> None:
-    """Janitor pass: blocked pools try again (peer servers may have gone idle since)."""
-    for pool in list(pools):
-        if pool.limit_blocked:
-            pool.limit_blocked = False
-            pool.room_made()
 
 
 def _limits_of(pool: Pool, pools: list[Pool]) -> list[tuple[int, list[Pool], str]]:
@@ -118,8 +117,15 @@ def _limits_of(pool: Pool, pools: list[Pool]) -> list[tuple[int, list[Pool], str
     return found
 
 
-def _count(pool: Pool) -> int:
+def _open(pool: Pool) -> int:
+    """Servers open or opening."""
     return len(pool.servers) + pool.connecting
+
+
+def _count(pool: Pool) -> int:
+    """What the limit counts: servers open or opening, and closed ones whose
+    backends have not exited yet (PostgreSQL still counts those)."""
+    return len(pool.servers) + pool.connecting + pool.exiting
 
 
 def _close_longest_idle(peers: list[Pool]) -> bool:
@@ -140,9 +146,9 @@ def _claim_busy(pool: Pool, others: list[Pool], what: str, limit: int) -> None:
     claim = pool.limit_claim
     if claim is not None and claim.state is not CLOSED:
         return  # one claim at a time
-    mine = _count(pool)
-    richest = max(others, key=_count, default=None)
-    if richest is None or _count(richest) <= mine + 1:
+    mine = _open(pool)
+    richest = max(others, key=_open, default=None)
+    if richest is None or _open(richest) <= mine + 1:
         return  # no peer holds more than its share: wait for one to go idle or close
     for server in richest.servers:
         if not server.retire:

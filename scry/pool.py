@@ -51,7 +51,8 @@ class Pool(PoolCore):
     # Slots: more than 30 attributes (with more, CPython 3.11 gives up sharing
     # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
-        "_connect_failures", "_greetings", "_next_probe_at", "_reserve_timer", "_retry_handle",
+        "_connect_failures", "_greetings", "_limit_delay", "_limit_timer", "_next_probe_at", "exiting",
+        "_reserve_timer", "_retry_handle",
         "_wait_us_seen", "_waits_seen", "_welcome_future", "health", "last_error", "limit_blocked",
         "limit_claim", "max_message_size", "max_wait_started", "name", "parsed_statements",
         "server_password", "server_user", "servers_closed", "servers_opened", "setting_spellings",
@@ -93,6 +94,9 @@ class Pool(PoolCore):
         # pool was refused a server, and the busy server of a peer it claimed.
         self.limit_blocked = False
         self.limit_claim: ServerConnection | None = None
+        self._limit_timer: asyncio.TimerHandle | None = None
+        self._limit_delay = 0.0
+        self.exiting = 0  # closed servers whose backends may still run (shares_a_limit)
         self.stale = False  # config changed: retire servers as they come back
         self.paused = False  # PAUSE: no server for new transactions until RESUME
         self.breaker = proxy.breaker_for(target.name)
@@ -318,10 +322,10 @@ class Pool(PoolCore):
         self._open_for_waiters()  # (re-arms for the next waiter if need be)
 
     def _spawn(self) -> None:
-        if connection_limits.limited(self) and not connection_limits.room_for_one_more(
-            self, self.proxy.pools.values()
-        ):
-            return  # woken by connection_limits.server_closed
+        if connection_limits.limited(self):
+            if not connection_limits.room_for_one_more(self, self.proxy.pools.values()):
+                return  # woken by connection_limits.server_closed or retry_when_room
+            self._limit_delay = 0.0
         self.connecting += 1
         asyncio.get_running_loop().create_task(self._connect_one())
 
@@ -510,15 +514,40 @@ class Pool(PoolCore):
             self._open_for_waiters()
 
     @property
+    def shares_a_limit(self) -> bool:
+        """max_db_connections or max_user_connections applies (scry.connection_limits)."""
+        return connection_limits.limited(self)
+
+    def backend_exited(self) -> None:
+        """The backend of a server this pool closed is gone: a limit has room."""
+        self.exiting -= 1
+        connection_limits.server_closed(self, None, self.proxy.pools.values())
+
+    @property
     def starved(self) -> bool:
         """Clients wait for a server: queued, or logging in to a pool with none yet."""
         return bool(self.waiters) or self._welcome_future is not None
 
     def room_made(self) -> None:
         """A connection limit this pool shares has room again (scry.connection_limits)."""
+        self.limit_blocked = False
         if self._welcome_future is not None and not self.connecting:
             self._spawn()  # a login waits for the pool's first server
         self._open_for_waiters()
+
+    def retry_when_room(self) -> None:
+        """Blocked by a connection limit: look again soon, as peer servers may go idle
+        (10 ms, doubling to 100 ms while it stays blocked)."""
+        if self._limit_timer is None:
+            self._limit_delay = min(0.1, self._limit_delay * 2 or 0.01)
+            self._limit_timer = asyncio.get_running_loop().call_later(
+                self._limit_delay, self._limit_retry
+            )
+
+    def _limit_retry(self) -> None:
+        self._limit_timer = None
+        if self.limit_blocked:
+            self.room_made()
 
     def close_parked_server(self, reason: str) -> bool:
         """Close the server of the longest-parked client; False if none is parked."""
@@ -564,10 +593,10 @@ class Pool(PoolCore):
     def close_all(self, reason: str) -> None:
         for server in list(self.servers):
             server.close(reason)
-        for handle in (self._retry_handle, self._reserve_timer):
+        for handle in (self._retry_handle, self._reserve_timer, self._limit_timer):
             if handle is not None:
                 handle.cancel()
-        self._retry_handle = self._reserve_timer = None
+        self._retry_handle = self._reserve_timer = self._limit_timer = None
 
 
 class _Borrower:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from scry import __version__, connection_limits
+from scry import __version__
 from scry.auth import AuthPolicy
 from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
@@ -267,7 +267,6 @@ class Proxy:
             for pool in list(self.pools.values()):
                 pool.expire_waiters(wait_timeout)
                 pool.maintain(now)
-            connection_limits.retry_blocked(self.pools.values())
             self._check_health()
             self._enforce_timeouts(now)
             self._reclaim_idle_pins(now)

@@ -89,6 +89,9 @@ COPY_BROKEN = 8  # ... failed on a message that was not COPY data (08P01)
 
 _ids = itertools.count(1)
 INTERNAL_QUERY_TIMEOUT = 2.0  # seconds for a reset or check query before the server is dropped
+# A closed server of a pool under a connection limit counts against the limit
+# until PostgreSQL closes the connection (its backend has exited), at most this long.
+BACKEND_EXIT_WAIT = 5.0
 
 CONNECTING, LOGIN, IDLE, ACTIVE, INTERNAL, CLOSED = (
     S_CONNECTING,
@@ -123,7 +126,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     # dict keys; the fields touched per message are ServerCore's (scry.relay_core).
     __slots__ = (
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
-        "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
+        "_exit_timer", "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
         "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
         "internal_error_fields", "local_addr", "params", "proxy", "release_after_cancel", "tls",
         "__weakref__"
@@ -168,6 +171,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
         self.evicted = False  # retired for another pool (scry.connection_limits)
+        self._exit_timer: asyncio.TimerHandle | None = None  # see BACKEND_EXIT_WAIT
         self.cancels_pending = 0  # CancelRequests sent and not yet processed by PostgreSQL
         self.release_after_cancel = False
         self.statements = ServerStatements(
@@ -739,11 +743,30 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                     self.transport.write(m.terminate())
                 except Exception:
                     pass
-            self.transport.close()
+            if was_up and self.pool.shares_a_limit and not self.transport.is_closing():
+                # Its backend still runs until it reads the Terminate: a server
+                # opened in its place must not make PostgreSQL see one too many.
+                self.pool.exiting += 1
+                self._exit_timer = asyncio.get_running_loop().call_later(
+                    BACKEND_EXIT_WAIT, self._backend_gone
+                )
+            else:
+                self.transport.close()
         self.pool.on_server_closed(self, was_up)
+
+    def _backend_gone(self) -> None:
+        """PostgreSQL closed a server scry had closed (or BACKEND_EXIT_WAIT passed)."""
+        timer, self._exit_timer = self._exit_timer, None
+        if timer is None:
+            return
+        timer.cancel()
+        if self.transport is not None:
+            self.transport.close()
+        self.pool.backend_exited()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.state is CLOSED:
+            self._backend_gone()
             return
         state = self.state
         reason = f"server closed the connection{': ' + str(exc) if exc else ''}"
