@@ -298,6 +298,9 @@ class ClientLogin:
         self.application_name = settings.get("application_name", "")
         server_user, server_password = proxy.auth.server_credentials(target, self.user)
         self.pool = proxy.pool_for(target, server_user, server_password)
+        if (over := self._client_limit_reached()) is not None:
+            self.fatal(TOO_MANY_CONNECTIONS, f"no more connections allowed ({over})")
+            return
         self.stats = self.pool.stats
         mode = self.pool.mode
         self.transaction_pooling = mode != "session"
@@ -313,6 +316,21 @@ class ClientLogin:
         self._auth_step(self._auth.start())
         if rest:
             self.data_received(rest)
+
+    def _client_limit_reached(self) -> str | None:
+        """max_db_client_connections / max_user_client_connections: the one this
+        client would exceed (it is counted among the clients already), if any."""
+        assert self.pool is not None
+        settings = self.pool.settings
+        for limit, name, mine in (
+            (settings.max_db_client_connections, "max_db_client_connections",
+             lambda c: c.database == self.database),
+            (settings.max_user_client_connections, "max_user_client_connections",
+             lambda c: c.user == self.user),
+        ):  # fmt: skip
+            if limit and sum(1 for c in self.proxy.clients if mine(c)) > limit:
+                return name
+        return None
 
     def _hba_method(self, database: str) -> str | None:
         """auth.type hba: the method the first matching rule names, or None
@@ -369,6 +387,8 @@ class ClientLogin:
             auth.method not in ("md5", "trust")
             or (auth.method == "md5" and auth.secret is None)
             or proxy.auth.hba is not None  # (a plan would serve any address)
+            or pool.settings.max_db_client_connections  # (a plan would not count them)
+            or pool.settings.max_user_client_connections
             or self.tls
             or proxy.config.pgbouncer is not None
             or proxy.client_tls.mode != "disable"

@@ -186,6 +186,10 @@ class PoolConfig(_Model):
     #: Room is made by closing an idle server of another pool (scry.connection_limits).
     max_db_connections: Int = Field(0, ge=0)
     max_user_connections: Int = Field(0, ge=0)
+    #: PgBouncer's: clients of one database and of one (client) user; 0 = no
+    #: limit. More get 53300, as past max_client_conn.
+    max_db_client_connections: Int = Field(0, ge=0)
+    max_user_client_connections: Int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _min_not_above_size(self) -> PoolConfig:
@@ -208,6 +212,8 @@ class PoolOverride(_Model):
     server_reset_query_always: bool | None = None
     max_db_connections: Int | None = Field(None, ge=0)
     max_user_connections: Int | None = Field(None, ge=0)
+    max_db_client_connections: Int | None = Field(None, ge=0)
+    max_user_client_connections: Int | None = Field(None, ge=0)
 
     def merged_with(self, base: PoolConfig) -> PoolConfig:
         """The effective pool settings: ``base`` with this override's set fields."""
@@ -404,6 +410,7 @@ class PgbouncerUserOverride(_Model):
     pool_size: Int | None = Field(None, ge=1)
     reserve_pool_size: Int | None = Field(None, ge=0)
     max_user_connections: Int | None = Field(None, ge=0)
+    max_user_client_connections: Int | None = Field(None, ge=0)
 
 
 class PgbouncerCompatConfig(_Model):

@@ -48,9 +48,9 @@ __all__ = [
 #: Worker ids are 6 bits of the cancel key (see scry.peering).
 MAX_WORKERS = 64
 #: The budgets divided across workers (a connection limit of 0, none, stays 0).
-DIVIDED = ("size", "min_size", "reserve_size", "max_client_conn", "max_db_connections",
-           "max_user_connections")  # fmt: skip
-_LIMITS = ("max_db_connections", "max_user_connections")
+_LIMITS = ("max_db_connections", "max_user_connections", "max_db_client_connections",
+           "max_user_client_connections")  # fmt: skip
+DIVIDED = ("size", "min_size", "reserve_size", "max_client_conn", *_LIMITS)
 
 # Restart backoff: 0.1 s doubling to 10 s; a worker that ran this long resets it.
 BACKOFF_FIRST = 0.1

@@ -89,6 +89,7 @@ def route_login(client: ClientConnection, packet: StartupMessage, method: str) -
                 mode=override.pool_mode, size=override.pool_size,
                 reserve_size=override.reserve_pool_size,
                 max_user_connections=override.max_user_connections,
+                max_user_client_connections=override.max_user_client_connections,
             )  # fmt: skip
             pool.settings = changes.merged_with(target.pool)
         if paused and not pool.paused:

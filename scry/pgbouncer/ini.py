@@ -396,9 +396,11 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "reserve_pool_size": Key("0", handler=_to("pool.reserve_size", as_int)),
     "reserve_pool_timeout": Key("5", handler=_seconds("timeouts.reserve_pool_timeout")),
     "max_db_connections": Key("0", handler=_to("pool.max_db_connections", as_int)),
-    "max_db_client_connections": Key("0", why="no per-database client limit"),
+    "max_db_client_connections": Key("0", handler=_to("pool.max_db_client_connections", as_int)),
     "max_user_connections": Key("0", handler=_to("pool.max_user_connections", as_int)),
-    "max_user_client_connections": Key("0", why="no per-user client limit"),
+    "max_user_client_connections": Key(
+        "0", handler=_to("pool.max_user_client_connections", as_int)
+    ),
     "server_round_robin": Key("0", why="scry reuses servers LIFO"),
     "track_extra_parameters": Key("IntervalStyle", handler=_tracked),
     "ignore_startup_parameters": Key("", handler=_compat("ignore_startup_parameters", as_list)),
@@ -506,7 +508,6 @@ _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
 _DB_UNSUPPORTED = {
     "connect_query": "no query is run on new server connections",
-    "max_db_client_connections": "no per-database client limit",
     "auth_user": _NO_AUTH_QUERY,
     "auth_query": _NO_AUTH_QUERY,
     "auth_dbname": "auth_query runs in the client's database",
@@ -517,9 +518,9 @@ _DB_UNSUPPORTED = {
 }
 _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_pool_size",
              "reserve_pool", "reserve_pool_size", "pool_mode", "max_db_connections",
+             "max_db_client_connections",
              *_DB_SETTINGS, *_DB_UNSUPPORTED}  # fmt: skip
 _USER_UNSUPPORTED = {
-    "max_user_client_connections": "no per-user client limit",
     "query_timeout": "query_timeout is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
     "idle_transaction_timeout": "idle_transaction_timeout is global in scry",
@@ -630,7 +631,8 @@ def _db_pool(params: Mapping[str, str], where: str) -> dict[str, Any]:
     pool: dict[str, Any] = {}
     for key, target in (("pool_size", "size"), ("min_pool_size", "min_size"),
                         ("reserve_pool", "reserve_size"), ("reserve_pool_size", "reserve_size"),
-                        ("max_db_connections", "max_db_connections")):  # fmt: skip
+                        ("max_db_connections", "max_db_connections"),
+                        ("max_db_client_connections", "max_db_client_connections")):  # fmt: skip
         if key in params:
             pool[target] = as_int(Entry(params[key], where))
     if "pool_mode" in params:
@@ -683,8 +685,8 @@ def _users(builder: _Builder) -> None:
                 override["pool_size"] = as_int(Entry(value, entry.where))
             elif key in ("reserve_pool_size", "reserve_pool"):
                 override["reserve_pool_size"] = as_int(Entry(value, entry.where))
-            elif key == "max_user_connections":
-                override["max_user_connections"] = as_int(Entry(value, entry.where))
+            elif key in ("max_user_connections", "max_user_client_connections"):
+                override[key] = as_int(Entry(value, entry.where))
             elif key in _USER_UNSUPPORTED:
                 if value not in ("", "0", "-1"):
                     builder.unsupported(f"[users] {key}", _USER_UNSUPPORTED[key])

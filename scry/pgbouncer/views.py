@@ -153,7 +153,7 @@ def show_databases(console: AdminConsole) -> bytes:
             name, "unix" if target.host.startswith("/") else target.host, target.port,
             target.dbname, target.user, target.pool.size, target.pool.min_size,
             target.pool.reserve_size, lifetime, mode, None, target.pool.max_db_connections,
-            servers.get(name, 0), 0,
+            servers.get(name, 0), target.pool.max_db_client_connections,
             clients.get(name, 0), paused, name in console.state.disabled,
         ])  # fmt: skip
     port = config.listen_host_port[1]
@@ -176,17 +176,19 @@ def show_users(console: AdminConsole) -> bytes:
     for client in list(console.proxy.clients):
         clients[client.user] = clients.get(client.user, 0) + 1
     names = set(console.proxy.auth.users) | set(overrides) | {ADMIN_DB}
-    default_limit = console.proxy.config.pool.max_user_connections
+    defaults = console.proxy.config.pool
     rows = []
     for name in sorted(names):
         o = overrides.get(name)
         limit = o.max_user_connections if o is not None else None
+        client_limit = o.max_user_client_connections if o is not None else None
         rows.append([
             name,
             f"{o.pool_size:9d}" if o is not None and o.pool_size is not None else "",
             f"{o.reserve_pool_size:9d}" if o is not None and o.reserve_pool_size is not None else "",
             o.pool_mode if o is not None else None,
-            default_limit if limit is None else limit, servers.get(name, 0), 0,
+            defaults.max_user_connections if limit is None else limit, servers.get(name, 0),
+            defaults.max_user_client_connections if client_limit is None else client_limit,
             clients.get(name, 0),
         ])  # fmt: skip
     return result(columns, rows, "SHOW")

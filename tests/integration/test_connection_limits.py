@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import asyncpg
 import psycopg
 import pytest
 from conftest import admin_conninfo
@@ -229,4 +230,37 @@ async def test_a_server_postgresql_ends_frees_its_place_at_once(
     assert await (await other.execute("select current_user")).fetchone() == ("md5_user",)
     assert time.monotonic() - started < 2
     for conn in (holder, other):
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "same", "other"),
+    [
+        ("max_db_client_connections", {"dbname": "app"}, {"dbname": "app2"}),
+        ("max_user_client_connections", {"user": "app"}, {"user": "md5_user"}),
+    ],
+)
+async def test_client_limits_refuse_with_53300(
+    pg: DevCluster, scry_proxy: Callable[..., Any], setting: str, same: dict, other: dict
+) -> None:
+    proxy = _proxy(scry_proxy, pg, **{setting: 2})
+    for _ in range(3):  # logins that come and go (the same StartupMessage each time)
+        conn = await _connect(proxy, **same)
+        await conn.close()
+    held = [await _connect(proxy, **same) for _ in range(2)]
+    # The same StartupMessage as the logins before: no shortcut skips the count.
+    with pytest.raises(psycopg.OperationalError, match=f"allowed \\({setting}\\)"):
+        await _connect(proxy, **same)
+    password = next(u["password"] for u in USERS if u["name"] == same.get("user", "app"))
+    with pytest.raises(asyncpg.TooManyConnectionsError, match=f"allowed \\({setting}\\)"):
+        await asyncpg.connect(  # (asyncpg gives the SQLSTATE of a failed login)
+            host="127.0.0.1", port=proxy.port, user=same.get("user", "app"), password=password,
+            database=same.get("dbname", "app"), ssl=False,
+        )  # fmt: skip
+    elsewhere = await _connect(proxy, **other)  # another database / user is not counted
+    assert await (await elsewhere.execute("select 1")).fetchone() == (1,)
+    await held.pop().close()
+    again = await _connect(proxy, **same)  # a place was freed
+    for conn in [*held, elsewhere, again]:
+        assert await (await conn.execute("select 1")).fetchone() == (1,)
         await conn.close()

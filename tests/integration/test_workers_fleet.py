@@ -39,7 +39,7 @@ def test_worker_config_divides_every_budget(tmp_path: Path) -> None:
     path.write_text(
         "database_url: postgresql://app@localhost/app\n"
         "pool: {size: 10, min_size: 3, reserve_size: 2, max_client_conn: 101,\n"
-        "       max_user_connections: 6}\n"
+        "       max_user_connections: 6, max_db_client_connections: 9}\n"
         "databases:\n"
         "  big: {database_url: 'postgresql://app@localhost/big',\n"
         "        pool: {size: 9, max_db_connections: 5}}\n"
@@ -56,6 +56,7 @@ def test_worker_config_divides_every_budget(tmp_path: Path) -> None:
     assert [p.max_db_connections for p in big] == [2, 1, 1, 1]
     assert [c.pool.max_user_connections for c in shares] == [2, 2, 1, 1]
     assert [c.pool.max_db_connections for c in shares] == [0, 0, 0, 0]  # no limit stays none
+    assert [c.pool.max_db_client_connections for c in shares] == [3, 2, 2, 2]
     assert all(t.pool.min_size <= t.pool.size for c in shares for t in c.targets().values())
     assert [c.admin.enabled for c in shares] == [True, False, False, False]
     assert worker_config(config, 1, 0) is config

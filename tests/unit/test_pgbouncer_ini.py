@@ -268,20 +268,26 @@ def test_connection_limits_become_pool_settings(tmp_path: Path) -> None:
     path = tmp_path / "limits.ini"
     path.write_text(
         "[databases]\n"
-        "app = host=127.0.0.1 max_db_connections=7\n"
+        "app = host=127.0.0.1 max_db_connections=7 max_db_client_connections=70\n"
         "other = host=127.0.0.1\n"
         "[users]\n"
-        "batch = max_user_connections=2\n"
+        "batch = max_user_connections=2 max_user_client_connections=20\n"
         "[pgbouncer]\n"
         "listen_addr = 127.0.0.1\n"
         "max_db_connections = 30\n"
         "max_user_connections = 12\n"
+        "max_db_client_connections = 300\n"
+        "max_user_client_connections = 120\n"
     )
     config, warnings = load_pgbouncer_config(path, env={})
     assert warnings == []
-    assert (config.pool.max_db_connections, config.pool.max_user_connections) == (30, 12)
+    pool = config.pool
+    assert (pool.max_db_connections, pool.max_user_connections) == (30, 12)
+    assert (pool.max_db_client_connections, pool.max_user_client_connections) == (300, 120)
     targets = config.targets()
     assert targets["app"].pool.max_db_connections == 7
+    assert targets["app"].pool.max_db_client_connections == 70
     assert targets["other"].pool.max_db_connections == 30
     assert config.pgbouncer is not None
     assert config.pgbouncer.users["batch"].max_user_connections == 2
+    assert config.pgbouncer.users["batch"].max_user_client_connections == 20
