@@ -51,12 +51,12 @@ class Pool(PoolCore):
     # Slots: more than 30 attributes (with more, CPython 3.11 gives up sharing
     # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
-        "_connect_failures", "_greetings", "_limit_delay", "_limit_timer", "_next_probe_at", "exiting",
-        "_reserve_timer", "_retry_handle",
-        "_wait_us_seen", "_waits_seen", "_welcome_future", "health", "last_error", "limit_blocked",
-        "limit_claim", "max_message_size", "max_wait_started", "name", "parsed_statements",
-        "server_password", "server_user", "servers_closed", "servers_opened", "setting_spellings",
-        "startup_params", "stats", "target", "__weakref__"
+        "_connect_failures", "_greetings", "_limit_delay", "_limit_timer", "_next_probe_at",
+        "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen", "_welcome_future",
+        "exiting", "health", "last_error", "limit_blocked", "limit_claim", "max_message_size",
+        "max_wait_started", "name", "parsed_statements", "server_password", "server_user",
+        "servers_closed", "servers_opened", "setting_spellings", "startup_params", "stats",
+        "target", "__weakref__"
     )  # fmt: skip
 
     def __init__(
@@ -322,7 +322,7 @@ class Pool(PoolCore):
         self._open_for_waiters()  # (re-arms for the next waiter if need be)
 
     def _spawn(self) -> None:
-        if connection_limits.limited(self):
+        if self.shares_a_limit:
             if not connection_limits.room_for_one_more(self, self.proxy.pools.values()):
                 return  # woken by connection_limits.server_closed or retry_when_room
             self._limit_delay = 0.0
@@ -358,7 +358,7 @@ class Pool(PoolCore):
     def _on_connect_failed(self, exc: Exception) -> None:
         self.last_error = exc
         self._connect_failures += 1
-        if connection_limits.limited(self):
+        if self.shares_a_limit:
             connection_limits.server_closed(self, None, self.proxy.pools.values())
         self.breaker.record_failure(connect_error(exc)[1], gone=True)
         event(
@@ -508,7 +508,7 @@ class Pool(PoolCore):
             pass
         self.servers_closed += 1
         event("server closed", server=server.id, pool=self.name, reason=server.close_reason)
-        if connection_limits.limited(self):  # (first: a peer that claimed it gets the room)
+        if self.shares_a_limit:  # (first: a peer that claimed it gets the room)
             connection_limits.server_closed(self, server, self.proxy.pools.values())
         if self.waiters:
             self._open_for_waiters()
