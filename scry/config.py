@@ -611,6 +611,15 @@ class Config(_Model):
     #: PgBouncer's tcp_defer_accept (on by default on Linux, as there): the kernel
     #: hands over a new client connection with its first packet, one wakeup fewer.
     tcp_defer_accept: bool = True
+    #: PgBouncer's TCP keepalive settings, for client and server sockets alike
+    #: (scry.tcp_options): on by default, as there; 0 = the operating system's value.
+    tcp_keepalive: bool = True
+    tcp_keepidle: Int = Field(0, ge=0, le=32767)
+    tcp_keepintvl: Int = Field(0, ge=0, le=32767)
+    tcp_keepcnt: Int = Field(0, ge=0, le=127)
+    #: Milliseconds unacknowledged data may wait before the kernel drops the
+    #: connection (Linux TCP_USER_TIMEOUT); 0 = the operating system's rule.
+    tcp_user_timeout: Int = Field(0, ge=0, le=2147483647)
     #: Set when scry runs from a pgbouncer.ini (scry.pgbouncer); None otherwise.
     pgbouncer: PgbouncerCompatConfig | None = None
 

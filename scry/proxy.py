@@ -32,6 +32,7 @@ from scry.peering import KEY_MASK, Peering, cancel_pid_base, new_cancel_key
 from scry.pool import Pool
 from scry.protocol.classify import Effect
 from scry.relay_core import LoginPlan
+from scry.tcp_options import set_tcp_options
 from scry.tls import client_tls, server_tls
 from scry.workers import WorkerIdentity
 
@@ -220,6 +221,7 @@ class Proxy:
                 if sock.family not in (socket.AF_INET, socket.AF_INET6):
                     continue  # PgBouncer's Unix socket
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                set_tcp_options(sock, self.config, fresh=False)  # accepted sockets inherit them
                 if hasattr(socket, "TCP_DEFER_ACCEPT"):  # Linux
                     # Accepted with its StartupMessage already queued, or after 1 s
                     # without (PgBouncer's value): a silent client is still let in.

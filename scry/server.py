@@ -41,6 +41,7 @@ from scry.relay_core import (
     S_LOGIN,
     ServerCore,
 )
+from scry.tcp_options import set_tcp_options
 
 if TYPE_CHECKING:
     from scry.client import ClientConnection
@@ -240,6 +241,8 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("sockname")
         self.local_addr = f"{sock[0]}:{sock[1]}" if isinstance(sock, tuple) else str(sock)
+        if isinstance(sock, tuple):  # TCP: keepalive and friends (scry.tcp_options)
+            set_tcp_options(transport.get_extra_info("socket"), self.pool.proxy.config, fresh=True)
         self.state = LOGIN
         if self._tls_answer is not None:
             transport.write(ssl_request())  # the answer decides what comes next

@@ -490,11 +490,11 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "so_reuseport": Key("0", changeable=False, why="use scry's `workers: N` for more cores"),
     "tcp_defer_accept": Key("1", handler=_to("tcp_defer_accept", as_bool)),
     "tcp_socket_buffer": Key("0", why=_NET),
-    "tcp_keepalive": Key("1", why=_NET),
-    "tcp_keepcnt": Key("0", why=_NET),
-    "tcp_keepidle": Key("0", why=_NET),
-    "tcp_keepintvl": Key("0", why=_NET),
-    "tcp_user_timeout": Key("0", why=_NET),
+    "tcp_keepalive": Key("1", handler=_to("tcp_keepalive", as_bool)),
+    "tcp_keepcnt": Key("0", handler=_to("tcp_keepcnt", as_int)),
+    "tcp_keepidle": Key("0", handler=_to("tcp_keepidle", as_int)),
+    "tcp_keepintvl": Key("0", handler=_to("tcp_keepintvl", as_int)),
+    "tcp_user_timeout": Key("0", handler=_to("tcp_user_timeout", as_int)),
 }
 
 #: Old spellings PgBouncer still accepts.

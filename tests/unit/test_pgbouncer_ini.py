@@ -46,6 +46,7 @@ query_wait_timeout = 30
 server_lifetime = 1h
 idle_transaction_timeout = 1.5
 tcp_keepcnt = 5
+application_name_add_host = 1
 log_connections = 1
 tcp_keepalive = 1
 logfile = /var/log/pgbouncer/pgbouncer.log
@@ -71,6 +72,7 @@ INCLUDED = """\
 ; repeated keys: the last one wins (this file is read after the lines above)
 default_pool_size = 25
 tcp_keepcnt = 7
+application_name_add_host = 1
 server_round_robin = 1
 """
 
@@ -100,6 +102,7 @@ def test_effective_config(ini_path: Path) -> None:
     assert config.timeouts.idle_transaction_timeout == 1.5
     assert 0 < config.timeouts.server_check_delay < 0.001  # PgBouncer's 0 = check every time
     assert config.max_packet_size == 2147483647
+    assert (config.tcp_keepalive, config.tcp_keepcnt) == (True, 7)  # the include's 7 wins
 
     targets = config.targets()
     assert set(targets) == {"app", "reports", "local", "quoted db"}
@@ -138,9 +141,11 @@ def test_effective_config(ini_path: Path) -> None:
 def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
     _, warnings = load_pgbouncer_config(ini_path, env={})
     unsupported = sorted(w.split(" ")[2] for w in warnings if w.startswith("not supported: "))
-    # tcp_keepcnt is set twice, reported once; tcp_keepalive = 1 and
+    # application_name_add_host is set twice, reported once; tcp_keepalive = 1 and
     # log_connections = 1 are PgBouncer's defaults: nothing to report.
-    assert unsupported == sorted(["tcp_keepcnt", "server_round_robin", "[databases]"]), warnings
+    assert unsupported == sorted(
+        ["application_name_add_host", "server_round_robin", "[databases]"]
+    ), warnings
     assert any("connect_query" in w for w in warnings)
     assert not any("max_user_connections" in w for w in warnings)  # in effect
     assert any(w.startswith("differs: listen_addr") for w in warnings)
@@ -167,6 +172,24 @@ def test_tcp_defer_accept_can_be_turned_off(tmp_path: Path) -> None:
     )
     config, warnings = load_pgbouncer_config(path, env={})
     assert warnings == [] and config.tcp_defer_accept is False
+
+
+def test_tcp_keepalive_settings_are_taken(tmp_path: Path) -> None:
+    path = tmp_path / "keepalive.ini"
+    path.write_text(
+        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
+        "tcp_keepalive = 0\ntcp_keepidle = 60\ntcp_keepintvl = 5\ntcp_keepcnt = 3\n"
+        "tcp_user_timeout = 9000\n"
+    )
+    config, warnings = load_pgbouncer_config(path, env={})
+    assert warnings == []
+    assert (
+        config.tcp_keepalive,
+        config.tcp_keepidle,
+        config.tcp_keepintvl,
+        config.tcp_keepcnt,
+        config.tcp_user_timeout,
+    ) == (False, 60, 5, 3, 9000)
 
 
 def test_every_documented_key_is_known() -> None:
