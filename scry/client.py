@@ -565,6 +565,19 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self.waiting_since = 0
         self.fatal(sqlstate, text)
 
+    def wait_noticed(self, waited: float) -> None:
+        """query_wait_notify: tell the client why its query has not started yet."""
+        pool = self.pool
+        if pool is None or self.transport is None or self.transport.is_closing():
+            return
+        self.transport.write(
+            m.notice_response(
+                "waiting for a server connection: every server of the pool is in use",
+                detail=f"pool {pool.name}: servers {len(pool.servers)}/{pool.size}, "
+                f"clients queued {len(pool.waiters)}, this one for {waited:.0f} s",
+            )
+        )
+
     def wait_timed_out(self) -> None:
         """query_wait_timeout: the pool (already rid of us) could not serve us in time."""
         pool = self.pool

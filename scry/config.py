@@ -258,6 +258,8 @@ class TimeoutsConfig(_Model):
     """Timeouts in seconds, 0 = disabled; PgBouncer's meanings and defaults."""
 
     query_wait_timeout: Seconds = 120
+    #: A client queued this long is told so with a NOTICE, once per wait.
+    query_wait_notify: Seconds = 5
     #: A client queued this long may get one of ``pool.reserve_size`` extra servers.
     reserve_pool_timeout: Seconds = 5
     query_timeout: Seconds = 0

@@ -51,7 +51,8 @@ class Pool(PoolCore):
     # Slots: more than 30 attributes (with more, CPython 3.11 gives up sharing
     # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
-        "_connect_failures", "_greetings", "_limit_delay", "_limit_timer", "_next_probe_at",
+        "_connect_failures", "_greetings", "_last_wait_noticed", "_limit_delay", "_limit_timer",
+        "_next_probe_at",
         "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen", "_welcome_future",
         "exiting", "health", "last_error", "limit_blocked", "limit_claim", "max_message_size",
         "max_wait_started", "name", "parsed_statements", "server_password", "server_user",
@@ -80,6 +81,7 @@ class Pool(PoolCore):
         self.servers: set[ServerConnection] = set()  # every logged-in server
         self.connecting = 0
         self.waiters: deque[ClientConnection] = deque()
+        self._last_wait_noticed = 0  # waiting_since of the last wait query_wait_notify told of
         # Clients between transactions that still hold their server because
         # nobody else needed it; the server is taken from them on demand.
         self.parked: dict[ClientConnection, None] = {}
@@ -447,6 +449,24 @@ class Pool(PoolCore):
         """Seconds the longest-waiting client has been queued (0 if none)."""
         return (perf_counter_ns() - self.waiters[0].waiting_since) / 1e9 if self.waiters else 0.0
 
+    def notify_waiters(self, after: float) -> None:
+        """query_wait_notify, checked by the janitor: a NOTICE to each client whose
+        wait passed ``after`` seconds, once per wait."""
+        if not after or not self.waiters:
+            return
+        now = perf_counter_ns()
+        deadline = now - int(after * 1e9)
+        # FIFO, so waits are queued in the order they began: every wait that
+        # began after the last one noticed is new, and the first too-recent one
+        # ends the walk.
+        for waiter in self.waiters:
+            since = waiter.waiting_since
+            if since > deadline:
+                break
+            if since > self._last_wait_noticed:
+                self._last_wait_noticed = since
+                waiter.wait_noticed((now - since) / 1e9)
+
     def expire_waiters(self, timeout: float) -> None:
         """query_wait_timeout, checked by the janitor: the queue is FIFO, oldest first."""
         if not timeout or not self.waiters:
@@ -615,6 +635,9 @@ class _Borrower:
     def wait_timed_out(self) -> None:
         if not self.future.done():
             self.future.set_exception(TimeoutError("query_wait_timeout"))
+
+    def wait_noticed(self, waited: float) -> None:
+        pass  # scry's own wait: nobody to tell
 
     def fail_waiting(self, sqlstate: str, text: str) -> None:
         if not self.future.done():

@@ -265,9 +265,10 @@ class Proxy:
         while True:
             await asyncio.sleep(JANITOR_INTERVAL)
             now = self.clock = time.monotonic()
-            wait_timeout = self.config.timeouts.query_wait_timeout
+            timeouts = self.config.timeouts
             for pool in list(self.pools.values()):
-                pool.expire_waiters(wait_timeout)
+                pool.notify_waiters(timeouts.query_wait_notify)
+                pool.expire_waiters(timeouts.query_wait_timeout)
                 pool.maintain(now)
             self._check_health()
             self._enforce_timeouts(now)

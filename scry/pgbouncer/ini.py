@@ -455,7 +455,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "dns_nxdomain_ttl": Key("15", why=_DNS),
     "dns_zone_check_period": Key("0", why=_DNS),
     "resolv_conf": Key("", changeable=False, why=_DNS),
-    "query_wait_notify": Key("5", why="no NOTICE is sent to queued clients"),
+    "query_wait_notify": Key("5", handler=_seconds("timeouts.query_wait_notify")),
     "login_notify_message": Key("", why="no welcome NOTICE"),
     "suspend_timeout": Key("10", why="SUSPEND waits for nothing"),
     # --- TLS

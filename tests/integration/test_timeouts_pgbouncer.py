@@ -137,6 +137,56 @@ def test_query_timeout_spares_queries_under_the_limit(scry_proxy) -> None:
                 )
 
 
+def test_query_wait_notify_tells_a_queued_client_once(scry_proxy) -> None:
+    # PgBouncer 1.25's query_wait_notify: a client queued longer gets a NOTICE
+    # (once per wait), then its query runs as usual.
+    proxy = scry_proxy(
+        {"pool": {"size": 1}, "timeouts": {"query_wait_notify": 1, "query_wait_timeout": 30}}
+    )
+    with connect(proxy, autocommit=False) as holder, connect(proxy) as waiting:
+        holder.execute("select 1")  # holds the only server in its transaction
+        notices: list[tuple[str | None, str | None, str | None]] = []
+        # (A Diagnostic is only readable inside the handler.)
+        waiting.add_notice_handler(
+            lambda d: notices.append((d.severity, d.message_primary, d.message_detail))
+        )
+        answers: list[Any] = []
+        query = threading.Thread(
+            target=lambda: answers.append(waiting.execute("select 42").fetchone())
+        )
+        started = time.monotonic()
+        query.start()
+        wait_for(lambda: notices, 5, "the NOTICE")
+        noticed_after = time.monotonic() - started
+        # Two more janitor passes while it still waits: no second notice.
+        time.sleep(2.5)
+        holder.commit()
+        query.join(10)
+        assert answers == [(42,)]
+        assert 0.9 < noticed_after < 3.5, noticed_after
+        assert len(notices) == 1, notices
+        severity, primary, detail = notices[0]
+        assert severity == "NOTICE"
+        assert primary is not None and primary.startswith("waiting for a server connection")
+        assert detail is not None and "pool app/app" in detail, detail
+
+
+def test_query_wait_notify_zero_sends_nothing(scry_proxy) -> None:
+    proxy = scry_proxy(
+        {"pool": {"size": 1}, "timeouts": {"query_wait_notify": 0, "query_wait_timeout": 30}}
+    )
+    with connect(proxy, autocommit=False) as holder, connect(proxy) as waiting:
+        holder.execute("select 1")
+        notices: list[str | None] = []
+        waiting.add_notice_handler(lambda d: notices.append(d.message_primary))
+        query = threading.Thread(target=lambda: waiting.execute("select 1"))
+        query.start()
+        time.sleep(2.5)  # two janitor passes with the client queued
+        holder.commit()
+        query.join(10)
+        assert not query.is_alive() and notices == []
+
+
 def test_idle_transaction_timeout(scry_proxy, pg) -> None:
     with direct(pg, "app") as d:
         d.execute("create table if not exists wire_itt (v text)")
