@@ -162,6 +162,16 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         event("query_timeout", logging.WARNING, client=self.id, limit_s=limit)
         self.fatal("57014", "query_timeout", detail=f"the query ran longer than {limit:g} s")
 
+    def transaction_timed_out(self, limit: float) -> None:
+        """transaction_timeout: close this client (a running statement is
+        cancelled on PostgreSQL, the transaction rolled back)."""
+        event("transaction_timeout", logging.WARNING, client=self.id, limit_s=limit)
+        self.fatal(
+            "25P04",
+            "transaction_timeout",
+            detail=f"the transaction ran longer than {limit:g} s (timeouts.transaction_timeout)",
+        )
+
     def login_timed_out(self) -> None:
         """client_login_timeout (checked by the janitor)."""
         if self.state in (STARTUP, AUTH, LOGIN):

@@ -264,6 +264,8 @@ class TimeoutsConfig(_Model):
     reserve_pool_timeout: Seconds = 5
     query_timeout: Seconds = 0
     idle_transaction_timeout: Seconds = 0
+    #: A transaction (idle or not) this old ends: the client is closed, as in PgBouncer 1.25.
+    transaction_timeout: Seconds = 0
     client_idle_timeout: Seconds = 0
     server_lifetime: Seconds = 3600
     server_idle_timeout: Seconds = 600

@@ -358,6 +358,7 @@ class Proxy:
             t.client_login_timeout
             or t.query_timeout
             or t.idle_transaction_timeout
+            or t.transaction_timeout
             or t.client_idle_timeout
         ):
             return
@@ -370,6 +371,16 @@ class Proxy:
                     client.login_timed_out()
                 continue
             server = client.server
+            if (
+                t.transaction_timeout
+                and server is not None
+                and (server.pending > 0 or server.tx_status != _TX_IDLE)
+                # xact_mark: when its first statement was sent (the relay's
+                # SHOW STATS bookkeeping), once that statement has answered.
+                and now - (server.xact_mark or server.busy_since) >= t.transaction_timeout
+            ):
+                client.transaction_timed_out(t.transaction_timeout)
+                continue
             if server is not None and server.pending > 0:
                 if t.query_timeout and now - server.busy_since >= t.query_timeout:
                     client.query_timed_out(t.query_timeout)

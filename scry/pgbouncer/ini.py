@@ -481,7 +481,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "cancel_wait_timeout": Key("10", why="cancel requests are forwarded at once, never queued"),
     "client_idle_timeout": Key("0", handler=_seconds("timeouts.client_idle_timeout")),
     "idle_transaction_timeout": Key("0", handler=_seconds("timeouts.idle_transaction_timeout")),
-    "transaction_timeout": Key("0", why="no whole-transaction timeout"),
+    "transaction_timeout": Key("0", handler=_seconds("timeouts.transaction_timeout")),
     # --- low-level network
     "pkt_buf": Key("4096", changeable=False, why="scry sizes its buffers itself"),
     "max_packet_size": Key("2147483647", handler=_to("max_packet_size", as_int)),
@@ -524,7 +524,7 @@ _USER_UNSUPPORTED = {
     "query_timeout": "query_timeout is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
     "idle_transaction_timeout": "idle_transaction_timeout is global in scry",
-    "transaction_timeout": "no whole-transaction timeout",
+    "transaction_timeout": "transaction_timeout is global in scry",
     "client_idle_timeout": "client_idle_timeout is global in scry",
 }
 

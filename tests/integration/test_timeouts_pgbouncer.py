@@ -104,19 +104,24 @@ def wait_for(predicate, timeout: float, what: str) -> Any:
 # --- client-side timeouts -----------------------------------------------------------------
 
 
-def test_query_timeout(scry_proxy, pg) -> None:
-    proxy = scry_proxy({"pool": {"mode": "transaction"}, "timeouts": {"query_timeout": 1}})
+@pytest.mark.parametrize(
+    ("setting", "sqlstate"), [("query_timeout", "57014"), ("transaction_timeout", "25P04")]
+)
+def test_a_statement_past_the_limit_is_cancelled(scry_proxy, pg, setting, sqlstate) -> None:
+    # Both end a long statement: the client is closed, the statement cancelled.
+    marker = f"{setting}_marker"
+    proxy = scry_proxy({"pool": {"mode": "transaction"}, "timeouts": {setting: 1}})
     with connect(proxy) as conn:
         started = time.monotonic()
-        with pytest.raises(psycopg.OperationalError) as exc_info:
-            conn.execute("select pg_sleep(20) /* qt_marker */")
+        with pytest.raises(psycopg.Error) as exc_info:
+            conn.execute(f"select pg_sleep(20) /* {marker} */")
         elapsed = time.monotonic() - started
-        assert 0.95 < elapsed < 3.5, f"query_timeout=1 fired after {elapsed:.2f}s"
-        assert exc_info.value.sqlstate == "57014"
-        assert "query_timeout" in str(exc_info.value)
+        assert 0.95 < elapsed < 3.5, f"{setting}=1 fired after {elapsed:.2f}s"
+        assert exc_info.value.sqlstate == sqlstate
+        assert setting in str(exc_info.value)
         assert conn.closed or conn.broken
     # The query was cancelled on PostgreSQL, not left running.
-    wait_for(lambda: not running(pg, "qt_marker"), 3, "the timed-out query to stop")
+    wait_for(lambda: not running(pg, marker), 3, "the timed-out query to stop")
     with connect(proxy) as conn:
         assert conn.execute("select 'next client fine'").fetchone() == ("next client fine",)
 
@@ -227,6 +232,49 @@ def test_idle_transaction_timeout_spares_short_pauses(scry_proxy) -> None:
             except psycopg.Error as exc:
                 pytest.fail(f"statement {i} after a 0.5 s pause: {exc}")
         conn.commit()
+
+
+def test_transaction_timeout_ends_a_long_transaction_of_short_statements(scry_proxy, pg) -> None:
+    # PgBouncer 1.25's transaction_timeout: the whole transaction is timed, so
+    # statements 0.3 s apart (under any idle or query limit) still end at the limit.
+    with direct(pg, "app") as d:
+        d.execute("create table if not exists wire_tt (v text)")
+        d.execute("truncate wire_tt")
+    proxy = scry_proxy({"timeouts": {"transaction_timeout": 1.5}})
+    with connect(proxy, autocommit=False) as conn:
+        conn.execute("insert into wire_tt values ('uncommitted')")
+        started = time.monotonic()
+        with pytest.raises(psycopg.Error) as exc_info:
+            while time.monotonic() - started < 10:
+                time.sleep(0.3)
+                conn.execute("select 1")
+        elapsed = time.monotonic() - started
+        assert 1.2 < elapsed < 4, f"transaction_timeout=1.5 fired after {elapsed:.2f}s"
+        assert exc_info.value.sqlstate == "25P04", exc_info.value
+        assert "transaction_timeout" in str(exc_info.value)
+    with direct(pg) as d:
+        assert d.execute("select count(*) from wire_tt").fetchone() == (0,)
+    wait_for(
+        lambda: all(state == "idle" for _, state, _ in live_backends(pg, proxy)),
+        3,
+        "no backend left in the transaction",
+    )
+    with connect(proxy) as conn:
+        assert conn.execute("select 'next client fine'").fetchone() == ("next client fine",)
+
+
+def test_transaction_timeout_spares_short_transactions(scry_proxy) -> None:
+    # Transactions of 0.4 s each, back to back for 3 s, under transaction_timeout=1.
+    proxy = scry_proxy({"timeouts": {"transaction_timeout": 1}})
+    with connect(proxy, autocommit=False) as conn:
+        started = time.monotonic()
+        while time.monotonic() - started < 3:
+            try:
+                conn.execute("select pg_sleep(0.2)")
+                conn.execute("select pg_sleep(0.2)")
+                conn.commit()
+            except psycopg.Error as exc:
+                pytest.fail(f"a 0.4 s transaction ended by transaction_timeout=1: {exc}")
 
 
 def _peer_closed(conn: psycopg.Connection) -> bool:

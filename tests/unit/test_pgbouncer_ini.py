@@ -316,12 +316,14 @@ def test_connection_limits_become_pool_settings(tmp_path: Path) -> None:
     assert config.pgbouncer.users["batch"].max_user_client_connections == 20
 
 
-def test_query_wait_notify_is_taken(tmp_path: Path) -> None:
+def test_query_wait_notify_and_transaction_timeout_are_taken(tmp_path: Path) -> None:
     path = tmp_path / "notify.ini"
     base = "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
     path.write_text(base)
     config, _ = load_pgbouncer_config(path, env={})
-    assert config.timeouts.query_wait_notify == 5  # PgBouncer's default
-    path.write_text(base + "query_wait_notify = 0\n")
+    assert config.timeouts.query_wait_notify == 5  # PgBouncer's defaults
+    assert config.timeouts.transaction_timeout == 0
+    path.write_text(base + "query_wait_notify = 0\ntransaction_timeout = 90\n")
     config, warnings = load_pgbouncer_config(path, env={})
-    assert warnings == [] and config.timeouts.query_wait_notify == 0
+    assert warnings == []
+    assert (config.timeouts.query_wait_notify, config.timeouts.transaction_timeout) == (0, 90)
