@@ -181,6 +181,9 @@ class PoolConfig(_Model):
     max_prepared_statements: Int = Field(200, ge=0)
     server_reset_query: str = "DISCARD ALL"
     server_reset_query_always: bool = False
+    #: PgBouncer's connect_query: run on each new server before any client gets
+    #: it (errors are logged and ignored). Empty = none.
+    connect_query: str = ""
     #: PgBouncer's: server connections to one database (all users' pools
     #: together) and of one server user (all databases); 0 = no limit.
     #: Room is made by closing an idle server of another pool (scry.connection_limits).
@@ -210,6 +213,7 @@ class PoolOverride(_Model):
     max_prepared_statements: Int | None = Field(None, ge=0)
     server_reset_query: str | None = None
     server_reset_query_always: bool | None = None
+    connect_query: str | None = None
     max_db_connections: Int | None = Field(None, ge=0)
     max_user_connections: Int | None = Field(None, ge=0)
     max_db_client_connections: Int | None = Field(None, ge=0)

@@ -335,6 +335,8 @@ class Pool(PoolCore):
         server = ServerConnection(self)
         try:
             await server.connect(self.proxy.config.timeouts.server_connect_timeout)
+            if self.settings.connect_query:
+                await server.run_connect_query(self.settings.connect_query)
         except Exception as exc:  # any failure to reach or log in
             self.connecting -= 1
             self._on_connect_failed(exc)

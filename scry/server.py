@@ -610,7 +610,13 @@ class ServerConnection(ServerCore, asyncio.Protocol):
 
     # --- internal queries (reset, health check) --------------------------------
 
-    def run_internal(self, sql: str, done: Callable[[bool], None], resync: bool = True) -> None:
+    def run_internal(
+        self,
+        sql: str,
+        done: Callable[[bool], None],
+        resync: bool = True,
+        timeout: float = INTERNAL_QUERY_TIMEOUT,
+    ) -> None:
         """Run ``sql`` with no client attached; ``done(ok)`` when it is ready again.
 
         ``resync`` sends a Sync first: if the last client left PostgreSQL
@@ -624,10 +630,35 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.internal_error_fields: dict[str, str] | None = None
         # A server that does not answer our own query in time is not trusted again.
         self._internal_timer = asyncio.get_running_loop().call_later(
-            INTERNAL_QUERY_TIMEOUT, self._internal_timed_out
+            timeout, self._internal_timed_out
         )
         payload = m.query(sql)
         self.transport.write(m.sync() + payload if resync else payload)  # type: ignore[union-attr]
+
+    async def run_connect_query(self, sql: str) -> None:
+        """PgBouncer's connect_query, before any client has this server. An
+        error is logged and the server used anyway, as there; a server the
+        query leaves unusable (closed, or inside a transaction) raises."""
+        answered: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        timeout = self.pool.proxy.config.timeouts.server_connect_timeout
+        self.run_internal(
+            sql,
+            lambda ok: answered.done() or answered.set_result(ok),
+            resync=False,
+            timeout=max(timeout, INTERNAL_QUERY_TIMEOUT),
+        )
+        await answered
+        if self.state is CLOSED:
+            raise ServerLoginError({"C": CONNECTION_FAILURE, "M": "connect_query: no answer"})
+        if self.tx_status != _TX_IDLE:
+            self.close("connect_query left a transaction open")
+            raise ServerLoginError(
+                {"C": CONNECTION_FAILURE, "M": "connect_query left a transaction open"}
+            )
+        fields = self.internal_error_fields
+        if fields is not None:
+            event("connect_query failed", logging.WARNING, server=self.id, pool=self.pool.name,
+                  sqlstate=fields.get("C", ""), error=fields.get("M", ""))  # fmt: skip
 
     def _internal_timed_out(self) -> None:
         self._internal_timer = None

@@ -507,7 +507,6 @@ _ALIASES = {"reserve_pool": "reserve_pool_size"}
 _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
 _DB_UNSUPPORTED = {
-    "connect_query": "no query is run on new server connections",
     "auth_user": _NO_AUTH_QUERY,
     "auth_query": _NO_AUTH_QUERY,
     "auth_dbname": "auth_query runs in the client's database",
@@ -518,7 +517,7 @@ _DB_UNSUPPORTED = {
 }
 _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_pool_size",
              "reserve_pool", "reserve_pool_size", "pool_mode", "max_db_connections",
-             "max_db_client_connections",
+             "max_db_client_connections", "connect_query",
              *_DB_SETTINGS, *_DB_UNSUPPORTED}  # fmt: skip
 _USER_UNSUPPORTED = {
     "query_timeout": "query_timeout is global in scry",
@@ -637,6 +636,8 @@ def _db_pool(params: Mapping[str, str], where: str) -> dict[str, Any]:
             pool[target] = as_int(Entry(params[key], where))
     if "pool_mode" in params:
         pool["mode"] = params["pool_mode"].lower()
+    if params.get("connect_query"):
+        pool["connect_query"] = params["connect_query"]
     return pool
 
 

@@ -405,3 +405,45 @@ async def test_session_mode_pool_size_is_respected(scry_proxy, admin_dsn) -> Non
             for conn in conns:
                 await conn.close()
     assert sampler.max <= pool_size, sampler.max
+
+
+def test_connect_query_runs_on_every_new_server_before_its_first_client(scry_proxy) -> None:
+    # PgBouncer's connect_query: each server is prepared before any client has it.
+    query = "set lock_timeout = '1234ms'; set statement_timeout = '4321ms'"
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 2, "connect_query": query}})
+    with (
+        psycopg.connect(**proxy.conninfo(), autocommit=False) as a,
+        psycopg.connect(**proxy.conninfo(), autocommit=False) as b,
+    ):
+        # Two transactions at once: two servers, both prepared.
+        pids = set()
+        for conn in (a, b):
+            row = conn.execute(
+                "select current_setting('lock_timeout'), current_setting('statement_timeout'),"
+                " pg_backend_pid()"
+            ).fetchone()
+            assert row is not None and row[:2] == ("1234ms", "4321ms")
+            pids.add(row[2])
+        assert len(pids) == 2
+        a.commit()
+        b.commit()
+    assert proxy.log_text().count("server connected") == 2
+
+
+def test_a_failing_connect_query_is_logged_and_the_server_still_serves(scry_proxy) -> None:
+    proxy = scry_proxy({"pool": {"size": 1, "connect_query": "select no_such_column"}})
+    with psycopg.connect(**proxy.conninfo(), autocommit=True) as conn:
+        assert conn.execute("select 'served'").fetchone() == ("served",)
+    log = proxy.log_text()
+    assert log.count("connect_query failed") == 1, proxy.log_tail()
+    assert "sqlstate=42703" in log
+
+
+def test_a_connect_query_that_leaves_a_transaction_open_fails_the_login(scry_proxy) -> None:
+    # Such a server must never reach a client: the client is told why instead.
+    proxy = scry_proxy({"pool": {"size": 1, "connect_query": "begin"}})
+    with (
+        pytest.raises(psycopg.OperationalError, match="connect_query left a transaction open"),
+        psycopg.connect(**proxy.conninfo(), autocommit=True) as conn,
+    ):
+        conn.execute("select 1")

@@ -23,8 +23,8 @@ MAIN = """\
 app = host=10.0.0.5 port=5433 dbname=app_prod pool_size=30 min_pool_size=5 reserve_pool=3
 ; a forced user, with a quoted password and startup settings
 reports = host=10.0.0.6 user=reporter password='it''s secret' client_encoding=UTF8 datestyle=ISO timezone=UTC pool_mode=session
-; over the Unix socket (no host), with a query PgBouncer would run on connect
-local = dbname=postgres connect_query='SELECT 1'
+; over the Unix socket (no host), with a query run on each new server
+local = dbname=postgres connect_query='SET lock_timeout = 1000' target_session_attrs=any
 "quoted db" = host=10.0.0.7
 ; anything else goes to the fallback
 * = host=10.0.0.9 port=6000
@@ -120,6 +120,8 @@ def test_effective_config(ini_path: Path) -> None:
     assert reports.pool.mode == "session"
     local = targets["local"]
     assert (local.host, local.port, local.dbname) == ("/var/run/postgresql", 5432, "postgres")
+    assert local.pool.connect_query == "SET lock_timeout = 1000"
+    assert app.pool.connect_query == ""
 
     compat = config.pgbouncer
     assert compat is not None
@@ -146,7 +148,7 @@ def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
     assert unsupported == sorted(
         ["application_name_add_host", "server_round_robin", "[databases]"]
     ), warnings
-    assert any("connect_query" in w for w in warnings)
+    assert any("target_session_attrs" in w for w in warnings)
     assert not any("max_user_connections" in w for w in warnings)  # in effect
     assert any(w.startswith("differs: listen_addr") for w in warnings)
     assert len(warnings) == len(set(warnings))
