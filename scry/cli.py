@@ -171,10 +171,12 @@ def check_config(config: ConfigOption = None) -> None:
 
     from scry.auth import AuthPolicy
     from scry.config import ConfigError
+    from scry.tls import client_tls, server_tls
 
     cfg = _load(config)
     try:
         AuthPolicy.from_config(cfg)  # the auth_file and auth_hba_file, read as serve reads them
+        client_tls(cfg.tls), server_tls(cfg.tls)  # certificates, TLS versions and ciphers
     except ConfigError as exc:
         raise _fail(f"config error: {exc}") from None
     typer.echo(

@@ -456,10 +456,18 @@ class TlsConfig(_Model):
     client_tls_cert_file: str | None = None
     client_tls_key_file: str | None = None
     client_tls_ca_file: str | None = None
+    #: TLS versions allowed (``tlsv1.2,tlsv1.3``; ``secure``, ``all``) and TLS
+    #: 1.2 cipher list (OpenSSL syntax or PgBouncer's names), as in PgBouncer; see scry.tls.
+    client_tls_protocols: str = "secure"
+    client_tls_ciphers: str = "default"
+    #: The ECDH curve of key exchanges (``auto``: OpenSSL's choice).
+    client_tls_ecdhcurve: str = "auto"
     server_tls_sslmode: SslMode = "prefer"
     server_tls_ca_file: str | None = None
     server_tls_cert_file: str | None = None
     server_tls_key_file: str | None = None
+    server_tls_protocols: str = "secure"
+    server_tls_ciphers: str = "default"
 
 
 class LogConfig(_Model):

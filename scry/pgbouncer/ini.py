@@ -375,7 +375,7 @@ def _seconds(path: str) -> Handler:
 
 _NET = "scry uses the operating system's socket defaults"
 _DNS = "scry resolves host names at each connect, with the system resolver"
-_TLS = "scry uses Python's ssl defaults (TLS 1.2+, OpenSSL's default ciphers)"
+_TLS = "Python's ssl module sets no TLS 1.3 cipher suites or DH parameters: OpenSSL's apply"
 
 #: Every [pgbouncer] key of PgBouncer 1.25's documentation (plus 1.18's
 #: ``suspend_timeout``), with its default as PgBouncer's SHOW CONFIG prints it.
@@ -463,17 +463,17 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "client_tls_key_file": Key("", handler=_str_or_skip("tls.client_tls_key_file")),
     "client_tls_cert_file": Key("", handler=_str_or_skip("tls.client_tls_cert_file")),
     "client_tls_ca_file": Key("", handler=_str_or_skip("tls.client_tls_ca_file")),
-    "client_tls_protocols": Key("secure", why=_TLS),
-    "client_tls_ciphers": Key("default", why=_TLS),
+    "client_tls_protocols": Key("secure", handler=_to("tls.client_tls_protocols")),
+    "client_tls_ciphers": Key("default", handler=_to("tls.client_tls_ciphers")),
     "client_tls13_ciphers": Key("", why=_TLS),
-    "client_tls_ecdhcurve": Key("auto", why=_TLS),
+    "client_tls_ecdhcurve": Key("auto", handler=_to("tls.client_tls_ecdhcurve")),
     "client_tls_dheparams": Key("auto", why=_TLS),
     "server_tls_sslmode": Key("prefer", handler=_to("tls.server_tls_sslmode")),
     "server_tls_ca_file": Key("", handler=_str_or_skip("tls.server_tls_ca_file")),
     "server_tls_key_file": Key("", handler=_str_or_skip("tls.server_tls_key_file")),
     "server_tls_cert_file": Key("", handler=_str_or_skip("tls.server_tls_cert_file")),
-    "server_tls_protocols": Key("secure", why=_TLS),
-    "server_tls_ciphers": Key("default", why=_TLS),
+    "server_tls_protocols": Key("secure", handler=_to("tls.server_tls_protocols")),
+    "server_tls_ciphers": Key("default", handler=_to("tls.server_tls_ciphers")),
     "server_tls13_ciphers": Key("", why=_TLS),
     # --- dangerous timeouts
     "query_timeout": Key("0", handler=_seconds("timeouts.query_timeout")),

@@ -329,3 +329,22 @@ def test_query_wait_notify_and_transaction_timeout_are_taken(tmp_path: Path) -> 
     config, warnings = load_pgbouncer_config(path, env={})
     assert warnings == []
     assert (config.timeouts.query_wait_notify, config.timeouts.transaction_timeout) == (0, 90)
+
+
+def test_tls_versions_ciphers_and_curve_are_taken(tmp_path: Path) -> None:
+    path = tmp_path / "tls.ini"
+    path.write_text(
+        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
+        "client_tls_protocols = tlsv1.3\nclient_tls_ciphers = fast\n"
+        "client_tls_ecdhcurve = prime256v1\nserver_tls_protocols = all\n"
+        "server_tls_ciphers = HIGH:!aNULL\nclient_tls13_ciphers = TLS_AES_256_GCM_SHA384\n"
+    )
+    config, warnings = load_pgbouncer_config(path, env={})
+    tls = config.tls
+    assert (tls.client_tls_protocols, tls.client_tls_ciphers, tls.client_tls_ecdhcurve) == (
+        "tlsv1.3",
+        "fast",
+        "prime256v1",
+    )
+    assert (tls.server_tls_protocols, tls.server_tls_ciphers) == ("all", "HIGH:!aNULL")
+    assert [w.split(" ")[2] for w in warnings] == ["client_tls13_ciphers"], warnings
