@@ -52,12 +52,11 @@ class Pool(PoolCore):
     # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
         "_connect_failures", "_greetings", "_last_wait_noticed", "_limit_delay", "_limit_timer",
-        "_next_probe_at",
-        "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen", "_welcome_future",
-        "exiting", "health", "last_error", "limit_blocked", "limit_claim", "max_message_size",
-        "max_wait_started", "name", "parsed_statements", "server_password", "server_user",
-        "servers_closed", "servers_opened", "setting_spellings", "startup_params", "stats",
-        "target", "__weakref__"
+        "_next_probe_at", "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen",
+        "_welcome_future", "exiting", "health", "last_error", "limit_blocked", "limit_claim",
+        "max_message_size", "max_wait_started", "name", "parsed_statements", "server_password",
+        "server_user", "servers_closed", "servers_opened", "setting_spellings", "startup_params",
+        "stats", "target", "__weakref__"
     )  # fmt: skip
 
     def __init__(

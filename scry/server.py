@@ -649,7 +649,9 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         )
         await answered
         if self.state is CLOSED:
-            raise ServerLoginError({"C": CONNECTION_FAILURE, "M": "connect_query: no answer"})
+            raise ServerLoginError(
+                {"C": CONNECTION_FAILURE, "M": "connect_query: the server closed or did not answer"}
+            )
         if self.tx_status != _TX_IDLE:
             self.close("connect_query left a transaction open")
             raise ServerLoginError(
