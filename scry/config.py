@@ -476,6 +476,9 @@ class LogConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
     log_queries: bool = False
+    #: PgBouncer's log_stats: every this many seconds, a ``stats`` line per
+    #: database with traffic (scry.stats_log); 0 = never.
+    stats_period: Seconds = 0
 
 
 def _read_secret_file(path: str, key: str) -> str:

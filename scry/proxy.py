@@ -32,6 +32,7 @@ from scry.peering import KEY_MASK, Peering, cancel_pid_base, new_cancel_key
 from scry.pool import Pool
 from scry.protocol.classify import Effect
 from scry.relay_core import LoginPlan
+from scry.stats_log import StatsLog
 from scry.tcp_options import set_tcp_options
 from scry.tls import client_tls, server_tls
 from scry.workers import WorkerIdentity
@@ -84,6 +85,7 @@ class Proxy:
         # logins read them here; peer_id can change on reload).
         self.cancel_pid_base = cancel_pid_base(self.peering.peer_id, self.worker_id)
         self._wait_for_clients = False
+        self._stats_log = StatsLog(time.monotonic())  # log.stats_period's lines
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -273,6 +275,7 @@ class Proxy:
             self._check_health()
             self._enforce_timeouts(now)
             self._reclaim_idle_pins(now)
+            self._stats_log.tick(now, self.config.log.stats_period, self.pools.values())
 
     # --- breakers and health ----------------------------------------------------------
 

@@ -433,7 +433,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "log_connections": Key("1", why="scry always logs logins"),
     "log_disconnections": Key("1", why="scry always logs disconnections"),
     "log_pooler_errors": Key("1", why="scry always logs errors it sends"),
-    "log_stats": Key("1", why="statistics are in SHOW STATS and /metrics, not the log"),
+    "log_stats": Key("1", handler=lambda b, k, e: None),  # with stats_period: _log_stats
     "verbose": Key("0", handler=_verbose),
     # --- console access
     "admin_users": Key("", handler=_compat("admin_users", as_list)),
@@ -581,8 +581,19 @@ def convert(ini: PgbouncerIni) -> tuple[dict[str, Any], list[str]]:
     _databases(builder)
     _users(builder)
     _peers(builder)
+    _log_stats(builder)
     _scry_section(builder)
     return builder.data, builder.warnings
+
+
+def _log_stats(builder: _Builder) -> None:
+    """log_stats (on by default) logs every stats_period (60 s by default)."""
+    section = builder.ini.section("pgbouncer")
+    enabled = section.get("log_stats")
+    if enabled is not None and not as_bool(enabled):
+        return
+    period = section.get("stats_period")
+    builder.set("log.stats_period", as_int(period) if period is not None else 60)
 
 
 def _listen(builder: _Builder) -> None:

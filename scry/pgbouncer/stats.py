@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scry.pgbouncer.results import ADMIN_DB, NUMERIC, TEXT, result
+from scry.stats_log import database_totals
 
 if TYPE_CHECKING:
     from scry.pgbouncer.dispatch import AdminConsole
@@ -40,19 +41,8 @@ _XACT_COUNT, _QUERY_COUNT, _XACT_TIME, _QUERY_TIME, _WAIT_TIME = 1, 2, 5, 6, 7
 
 def _database_totals(console: AdminConsole) -> dict[str, list[int]]:
     """Per database, the 11 counters of SHOW STATS, summed over its pools."""
-    by_db: dict[str, list[int]] = {name: [0] * 11 for name in console.proxy.targets}
-    for pool in list(console.proxy.pools.values()):
-        row = by_db.setdefault(pool.target.name, [0] * 11)
-        st = pool.stats
-        for index, value in enumerate((
-            st.server_assignment_count, st.xact_count, st.query_count, st.received,
-            st.sent, int(st.xact_time * 1e6), int(st.query_time * 1e6),
-            pool.total_wait_us, st.client_parse_count, st.server_parse_count,
-            st.bind_count,
-        )):  # fmt: skip
-            row[index] += value
-    by_db.setdefault(ADMIN_DB, [0] * 11)
-    return by_db
+    proxy = console.proxy
+    return database_totals(proxy.pools.values(), (*proxy.targets, ADMIN_DB))
 
 
 def _period_averages(console: AdminConsole, totals: dict[str, list[int]]) -> dict[str, list[int]]:

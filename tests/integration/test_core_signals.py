@@ -200,3 +200,17 @@ def test_log_queries_logs_each_statement_anonymized(scry_proxy, wait_until) -> N
     assert len({re.search(r"fingerprint=(\S+)", ln).group(1) for ln in lines[:3]}) == 1  # type: ignore[union-attr]
     text = proxy.log_text()
     assert secret not in text and "4242" not in text
+
+
+def test_stats_period_logs_a_stats_line_per_database_with_traffic(scry_proxy, wait_until) -> None:
+    # PgBouncer's log_stats: rates and average times, once a period.
+    proxy = scry_proxy({"log": {"stats_period": 1}})
+    with connect(proxy) as conn:
+        for _ in range(20):
+            conn.execute("select 1")
+        wait_until(lambda: "stats database=app" in proxy.log_text(), 5, what="a stats line")
+    line = next(x for x in proxy.log_text().splitlines() if "stats database=app" in x)
+    fields = dict(re.findall(r"(\w+)=(\S+)", line))
+    assert float(fields["xacts_per_s"]) > 0 and float(fields["queries_per_s"]) > 0, line
+    assert int(fields["in_bytes_per_s"]) > 0 and int(fields["out_bytes_per_s"]) > 0, line
+    assert int(fields["query_us"]) > 0, line

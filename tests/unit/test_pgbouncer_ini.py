@@ -348,3 +348,16 @@ def test_tls_versions_ciphers_and_curve_are_taken(tmp_path: Path) -> None:
     )
     assert (tls.server_tls_protocols, tls.server_tls_ciphers) == ("all", "HIGH:!aNULL")
     assert [w.split(" ")[2] for w in warnings] == ["client_tls13_ciphers"], warnings
+
+
+@pytest.mark.parametrize(
+    ("lines", "period"),
+    [("", 60), ("stats_period = 15\n", 15), ("log_stats = 0\nstats_period = 15\n", 0)],
+)
+def test_log_stats_logs_every_stats_period(tmp_path: Path, lines: str, period: int) -> None:
+    path = tmp_path / "stats.ini"
+    path.write_text(
+        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n" + lines
+    )
+    config, warnings = load_pgbouncer_config(path, env={})
+    assert warnings == [] and config.log.stats_period == period
