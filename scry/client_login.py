@@ -294,8 +294,10 @@ class ClientLogin:
         except ProtocolViolation as exc:
             self.fatal(exc.sqlstate, str(exc))
             return
-        self.params = settings
         self.application_name = settings.get("application_name", "")
+        if proxy.config.application_name_add_host:  # (a copy: settings are shared, cached)
+            settings = {**settings, "application_name": f"{self.application_name} - {self.addr}"}
+        self.params = settings
         server_user, server_password = proxy.auth.server_credentials(target, self.user)
         self.pool = proxy.pool_for(target, server_user, server_password)
         if (over := self._client_limit_reached()) is not None:
@@ -389,6 +391,7 @@ class ClientLogin:
             or proxy.auth.hba is not None  # (a plan would serve any address)
             or pool.settings.max_db_client_connections  # (a plan would not count them)
             or pool.settings.max_user_client_connections
+            or proxy.config.application_name_add_host  # (a plan would reuse one address)
             or self.tls
             or proxy.config.pgbouncer is not None
             or proxy.client_tls.mode != "disable"

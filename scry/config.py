@@ -630,6 +630,9 @@ class Config(_Model):
     #: PgBouncer's tcp_defer_accept (on by default on Linux, as there): the kernel
     #: hands over a new client connection with its first packet, one wakeup fewer.
     tcp_defer_accept: bool = True
+    #: PgBouncer's: the client's address joins its application_name on the
+    #: server (``app - host:port``), so pg_stat_activity shows who sent what.
+    application_name_add_host: bool = False
     #: PgBouncer's TCP keepalive settings, for client and server sockets alike
     #: (scry.tcp_options): on by default, as there; 0 = the operating system's value.
     tcp_keepalive: bool = True

@@ -406,7 +406,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "ignore_startup_parameters": Key("", handler=_compat("ignore_startup_parameters", as_list)),
     "peer_id": Key("0", changeable=False, handler=_peer_id),
     "disable_pqexec": Key("0", changeable=False, why="the simple query protocol stays enabled"),
-    "application_name_add_host": Key("0", why="application_name is passed as the client set it"),
+    "application_name_add_host": Key("0", handler=_to("application_name_add_host", as_bool)),
     "conffile": Key(None, handler=lambda b, k, e: None),
     "service_name": Key("pgbouncer", changeable=False, handler=lambda b, k, e: None),
     "job_name": Key("pgbouncer", changeable=False, handler=lambda b, k, e: None),

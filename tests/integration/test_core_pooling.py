@@ -10,6 +10,8 @@ settings (``SET LOCAL`` / ``set_config(..., true)``) must never leak.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 
 import psycopg
@@ -447,3 +449,30 @@ def test_a_connect_query_that_leaves_a_transaction_open_fails_the_login(scry_pro
         psycopg.connect(**proxy.conninfo(), autocommit=True) as conn,
     ):
         conn.execute("select 1")
+
+
+def test_application_name_add_host_shows_each_client_on_the_server(scry_proxy, admin_dsn) -> None:
+    # PgBouncer's application_name_add_host: pg_stat_activity tells clients apart.
+    proxy = scry_proxy(
+        {"pool": {"mode": "transaction", "size": 1}, "application_name_add_host": True}
+    )
+    seen = {}
+    for name in ("billing", "reports"):
+        with psycopg.connect(**proxy.conninfo(), autocommit=True, application_name=name) as conn:
+            with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+                client_port = sock.getsockname()[1]
+            row = conn.execute(
+                "select current_setting('application_name'), inet_client_port()"
+            ).fetchone()
+            assert row is not None
+            assert row[0] == f"{name} - 127.0.0.1:{client_port}"
+            seen[name] = row[1]  # the port of scry's server connection
+    assert seen["billing"] == seen["reports"]  # one server, each client under its own name
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        names = [
+            r[0]
+            for r in admin.execute(
+                "select application_name from pg_stat_activity where usename = 'app'"
+            ).fetchall()
+        ]
+    assert any(n.startswith("reports - 127.0.0.1:") for n in names), names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,7 +47,7 @@ query_wait_timeout = 30
 server_lifetime = 1h
 idle_transaction_timeout = 1.5
 tcp_keepcnt = 5
-application_name_add_host = 1
+server_fast_close = 1
 log_connections = 1
 tcp_keepalive = 1
 logfile = /var/log/pgbouncer/pgbouncer.log
@@ -72,7 +73,7 @@ INCLUDED = """\
 ; repeated keys: the last one wins (this file is read after the lines above)
 default_pool_size = 25
 tcp_keepcnt = 7
-application_name_add_host = 1
+server_fast_close = 1
 server_round_robin = 1
 """
 
@@ -143,11 +144,11 @@ def test_effective_config(ini_path: Path) -> None:
 def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
     _, warnings = load_pgbouncer_config(ini_path, env={})
     unsupported = sorted(w.split(" ")[2] for w in warnings if w.startswith("not supported: "))
-    # application_name_add_host is set twice, reported once; tcp_keepalive = 1 and
+    # server_fast_close is set twice, reported once; tcp_keepalive = 1 and
     # log_connections = 1 are PgBouncer's defaults: nothing to report.
-    assert unsupported == sorted(
-        ["application_name_add_host", "server_round_robin", "[databases]"]
-    ), warnings
+    assert unsupported == sorted(["server_fast_close", "server_round_robin", "[databases]"]), (
+        warnings
+    )
     assert any("target_session_attrs" in w for w in warnings)
     assert not any("max_user_connections" in w for w in warnings)  # in effect
     assert any(w.startswith("differs: listen_addr") for w in warnings)
@@ -167,23 +168,26 @@ def test_pgbouncer_defaults_where_scry_differs(tmp_path: Path) -> None:
     assert config.tcp_defer_accept  # PgBouncer's default on Linux
 
 
-def test_tcp_defer_accept_can_be_turned_off(tmp_path: Path) -> None:
-    path = tmp_path / "off.ini"
+def load_minimal(tmp_path: Path, lines: str = "") -> tuple[Any, list[str]]:
+    """A one-database pgbouncer.ini with ``lines`` added to [pgbouncer], loaded."""
+    path = tmp_path / "minimal.ini"
     path.write_text(
-        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\ntcp_defer_accept = 0\n"
+        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n" + lines
     )
-    config, warnings = load_pgbouncer_config(path, env={})
+    return load_pgbouncer_config(path, env={})
+
+
+def test_tcp_defer_accept_can_be_turned_off(tmp_path: Path) -> None:
+    config, warnings = load_minimal(tmp_path, "tcp_defer_accept = 0\n")
     assert warnings == [] and config.tcp_defer_accept is False
 
 
 def test_tcp_keepalive_settings_are_taken(tmp_path: Path) -> None:
-    path = tmp_path / "keepalive.ini"
-    path.write_text(
-        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
+    config, warnings = load_minimal(
+        tmp_path,
         "tcp_keepalive = 0\ntcp_keepidle = 60\ntcp_keepintvl = 5\ntcp_keepcnt = 3\n"
-        "tcp_user_timeout = 9000\n"
+        "tcp_user_timeout = 9000\n",
     )
-    config, warnings = load_pgbouncer_config(path, env={})
     assert warnings == []
     assert (
         config.tcp_keepalive,
@@ -192,6 +196,12 @@ def test_tcp_keepalive_settings_are_taken(tmp_path: Path) -> None:
         config.tcp_keepcnt,
         config.tcp_user_timeout,
     ) == (False, 60, 5, 3, 9000)
+    assert not config.application_name_add_host  # PgBouncer's default
+
+
+def test_application_name_add_host_is_taken(tmp_path: Path) -> None:
+    config, warnings = load_minimal(tmp_path, "application_name_add_host = 1\n")
+    assert warnings == [] and config.application_name_add_host
 
 
 def test_every_documented_key_is_known() -> None:
@@ -319,27 +329,21 @@ def test_connection_limits_become_pool_settings(tmp_path: Path) -> None:
 
 
 def test_query_wait_notify_and_transaction_timeout_are_taken(tmp_path: Path) -> None:
-    path = tmp_path / "notify.ini"
-    base = "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
-    path.write_text(base)
-    config, _ = load_pgbouncer_config(path, env={})
+    config, _ = load_minimal(tmp_path)
     assert config.timeouts.query_wait_notify == 5  # PgBouncer's defaults
     assert config.timeouts.transaction_timeout == 0
-    path.write_text(base + "query_wait_notify = 0\ntransaction_timeout = 90\n")
-    config, warnings = load_pgbouncer_config(path, env={})
+    config, warnings = load_minimal(tmp_path, "query_wait_notify = 0\ntransaction_timeout = 90\n")
     assert warnings == []
     assert (config.timeouts.query_wait_notify, config.timeouts.transaction_timeout) == (0, 90)
 
 
 def test_tls_versions_ciphers_and_curve_are_taken(tmp_path: Path) -> None:
-    path = tmp_path / "tls.ini"
-    path.write_text(
-        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
+    config, warnings = load_minimal(
+        tmp_path,
         "client_tls_protocols = tlsv1.3\nclient_tls_ciphers = fast\n"
         "client_tls_ecdhcurve = prime256v1\nserver_tls_protocols = all\n"
-        "server_tls_ciphers = HIGH:!aNULL\nclient_tls13_ciphers = TLS_AES_256_GCM_SHA384\n"
+        "server_tls_ciphers = HIGH:!aNULL\nclient_tls13_ciphers = TLS_AES_256_GCM_SHA384\n",
     )
-    config, warnings = load_pgbouncer_config(path, env={})
     tls = config.tls
     assert (tls.client_tls_protocols, tls.client_tls_ciphers, tls.client_tls_ecdhcurve) == (
         "tlsv1.3",
@@ -355,9 +359,5 @@ def test_tls_versions_ciphers_and_curve_are_taken(tmp_path: Path) -> None:
     [("", 60), ("stats_period = 15\n", 15), ("log_stats = 0\nstats_period = 15\n", 0)],
 )
 def test_log_stats_logs_every_stats_period(tmp_path: Path, lines: str, period: int) -> None:
-    path = tmp_path / "stats.ini"
-    path.write_text(
-        "[databases]\ndb = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n" + lines
-    )
-    config, warnings = load_pgbouncer_config(path, env={})
+    config, warnings = load_minimal(tmp_path, lines)
     assert warnings == [] and config.log.stats_period == period
