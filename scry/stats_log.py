@@ -43,6 +43,17 @@ def database_totals(pools: Iterable[Pool], databases: Iterable[str]) -> dict[str
     return by_db
 
 
+def average_times(delta: list[int]) -> tuple[int, int, int]:
+    """From a period's change in the totals: the average transaction time, and
+    query and wait times per query, in microseconds (PgBouncer's avg_*_time)."""
+    xacts, queries = delta[_XACTS], delta[_QUERIES]
+    return (
+        delta[_XACT_TIME] // xacts if xacts else 0,
+        delta[_QUERY_TIME] // queries if queries else 0,
+        delta[_WAIT_TIME] // queries if queries else 0,
+    )
+
+
 class StatsLog:
     """The periodic ``stats`` lines (called by the janitor about once a second)."""
 
@@ -62,6 +73,7 @@ class StatsLog:
             xacts, queries = delta[_XACTS], delta[_QUERIES]
             if not (xacts or queries or delta[_RECEIVED]):
                 continue  # no traffic: no line
+            xact_us, query_us, wait_us = average_times(delta)
             event(
                 "stats",
                 database=name,
@@ -69,7 +81,7 @@ class StatsLog:
                 queries_per_s=round(queries / seconds, 1),
                 in_bytes_per_s=round(delta[_RECEIVED] / seconds),
                 out_bytes_per_s=round(delta[_SENT] / seconds),
-                xact_us=delta[_XACT_TIME] // xacts if xacts else 0,
-                query_us=delta[_QUERY_TIME] // queries if queries else 0,
-                wait_us=delta[_WAIT_TIME] // queries if queries else 0,
+                xact_us=xact_us,
+                query_us=query_us,
+                wait_us=wait_us,
             )

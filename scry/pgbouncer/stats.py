@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scry.pgbouncer.results import ADMIN_DB, NUMERIC, TEXT, result
-from scry.stats_log import database_totals
+from scry.stats_log import average_times, database_totals
 
 if TYPE_CHECKING:
     from scry.pgbouncer.dispatch import AdminConsole
@@ -65,12 +65,8 @@ def _period_averages(console: AdminConsole, totals: dict[str, list[int]]) -> dic
     for name, row in totals.items():
         old = base.get(name, [0] * 11)
         delta = [a - b for a, b in zip(row, old, strict=True)]
-        queries = delta[_QUERY_COUNT]
         avg = [int(d / seconds) for d in delta]
-        xacts = delta[_XACT_COUNT]
-        avg[_XACT_TIME] = delta[_XACT_TIME] // xacts if xacts else 0
-        avg[_QUERY_TIME] = delta[_QUERY_TIME] // queries if queries else 0
-        avg[_WAIT_TIME] = delta[_WAIT_TIME] // queries if queries else 0
+        avg[_XACT_TIME], avg[_QUERY_TIME], avg[_WAIT_TIME] = average_times(delta)
         out[name] = avg
     return out
 
