@@ -20,6 +20,7 @@ class AuthPolicy:
     method: str
     users: dict[str, str]  # user name -> stored secret (plain, md5 or SCRAM)
     hba: HbaRules | None = None  # method "hba": the rules that choose each login's method
+    auth_user: str | None = None  # who runs auth_query for users with no secret here
 
     @classmethod
     def from_config(cls, config: Config) -> AuthPolicy:
@@ -49,19 +50,29 @@ class AuthPolicy:
                 ) from exc
             except HbaError as exc:
                 raise ConfigError(f"auth.auth_hba_file: {exc}") from exc
-        return cls(auth.type, users, hba)
+        return cls(auth.type, users, hba, auth.auth_user)
 
     def secret_for(self, user: str) -> str | None:
         return self.users.get(user)
 
+    def looks_up(self, user: str, method: str) -> bool:
+        """Whether a login by ``user`` with ``method`` needs auth_query for its
+        secret: a password method, and no secret here (PgBouncer's order)."""
+        return (
+            self.auth_user is not None
+            and method in ("md5", "scram-sha-256", "plain")
+            and user not in self.users
+        )
+
     def server_credentials(
-        self, target: DatabaseTarget, client_user: str
+        self, target: DatabaseTarget, client_user: str, looked_up: str | None = None
     ) -> tuple[str, str | None]:
         """The user and password a pool logs in to PostgreSQL with.
 
         A ``database_url`` with a user forces that user for everyone (PgBouncer's
-        forced user); otherwise the client's own name and stored secret are used.
+        forced user); otherwise the client's own name and stored secret are used
+        (``looked_up``: the one auth_query found).
         """
         if target.user:
             return target.user, target.password
-        return client_user, self.users.get(client_user)
+        return client_user, self.users.get(client_user, looked_up)

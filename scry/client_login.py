@@ -20,6 +20,8 @@ import logging
 import pwd
 import ssl
 
+from scry.auth_query import look_up_secret
+from scry.config import DatabaseTarget
 from scry.hybrid import SessionTracker, TransactionTracker
 from scry.log import event, logging_info
 from scry.observe.record import ClientContext
@@ -29,6 +31,7 @@ from scry.protocol import startup as st
 from scry.protocol.auth import AuthStep, ClientAuthExchange
 from scry.protocol.errors import (
     ADMIN_SHUTDOWN,
+    CONNECTION_FAILURE,
     FEATURE_NOT_SUPPORTED,
     INVALID_AUTHORIZATION,
     PROTOCOL_VIOLATION,
@@ -298,8 +301,41 @@ class ClientLogin:
         if proxy.config.application_name_add_host:  # (a copy: settings are shared, cached)
             settings = {**settings, "application_name": f"{self.application_name} - {self.addr}"}
         self.params = settings
-        server_user, server_password = proxy.auth.server_credentials(target, self.user)
+        if proxy.auth.looks_up(self.user, method):
+            self.state = AUTH  # (what the client sends meanwhile waits in _startup_buf)
+            asyncio.get_running_loop().create_task(self._look_up_and_authenticate(target, method))
+            return
+        self._authenticate(target, method, proxy.auth.secret_for(self.user), raw)
+
+    async def _look_up_and_authenticate(self, target: DatabaseTarget, method: str) -> None:
+        """auth_query finds the secret; every login asks again, so a changed
+        or expired password applies at once (as in PgBouncer)."""
+        try:
+            secret = await look_up_secret(self.proxy, target, self.user)
+        except Exception as exc:  # (AuthQueryError, or a server gone mid-lookup)
+            if self.state is AUTH:
+                event("auth_query failed", logging.WARNING, client=self.id, user=self.user,
+                      db=self.database, error=str(exc) or type(exc).__name__)  # fmt: skip
+                # The reason is logged; an unauthenticated client is not told it.
+                self.fatal(CONNECTION_FAILURE, f'could not look up user "{self.user}" (auth_query)')
+            return
+        if self.state is AUTH:
+            self._authenticate(target, method, secret, None, looked_up=True)
+
+    def _authenticate(
+        self,
+        target: DatabaseTarget,
+        method: str,
+        secret: str | None,
+        raw: bytes | None,
+        looked_up: bool = False,
+    ) -> None:
+        """Choose the pool and start the exchange that checks ``secret``."""
+        proxy = self.proxy
+        server_user, server_password = proxy.auth.server_credentials(target, self.user, secret)
         self.pool = proxy.pool_for(target, server_user, server_password)
+        if looked_up and not target.user and self.pool.server_password != server_password:
+            self.pool.server_password = server_password  # (changed since; new servers use it)
         if (over := self._client_limit_reached()) is not None:
             self.fatal(TOO_MANY_CONNECTIONS, f"no more connections allowed ({over})")
             return
@@ -308,7 +344,7 @@ class ClientLogin:
         self.transaction_pooling = mode != "session"
         self.statement_pooling = mode == "statement"
         self.tracker = self._new_tracker(mode)
-        self._auth = ClientAuthExchange(method, self.user, proxy.auth.secret_for(self.user))
+        self._auth = ClientAuthExchange(method, self.user, secret)
         self._reader = MessageReader(proxy.config.max_packet_size)
         self.state = AUTH
         rest = bytes(self._startup_buf)  # anything the client sent after its startup packet
@@ -419,6 +455,9 @@ class ClientLogin:
         plans[raw] = plan
 
     def _auth_data(self, data: bytes) -> None:
+        if self._auth is None and self._plan is None:  # auth_query still looking
+            self._startup_buf += data
+            return
         reader = self._reader
         if reader is None:  # a planned login (ClientCore._startup_fast) the fast path left
             reader = self._reader = MessageReader(self.proxy.config.max_packet_size)

@@ -240,6 +240,13 @@ class UserEntry(_Model):
     password: str | None = None
 
 
+#: PgBouncer's default auth_query: no secret for an expired or NOLOGIN role.
+DEFAULT_AUTH_QUERY = (
+    "SELECT rolname, CASE WHEN rolvaliduntil < now() THEN NULL ELSE rolpassword END "
+    "FROM pg_authid WHERE rolname=$1 AND rolcanlogin"
+)
+
+
 class AuthConfig(_Model):
     """Client authentication, with PgBouncer's names."""
 
@@ -247,8 +254,12 @@ class AuthConfig(_Model):
     auth_file: str | None = None
     #: type hba: the pg_hba.conf-format rules that choose the method (scry.hba).
     auth_hba_file: str | None = None
-    auth_query: str | None = None
+    #: A user with no secret in ``users``/``auth_file`` is looked up at login by
+    #: running ``auth_query`` ($1 = the user name) as ``auth_user``, in the
+    #: client's database or in ``auth_dbname`` (scry.auth_query).
+    auth_query: str = DEFAULT_AUTH_QUERY
     auth_user: str | None = None
+    auth_dbname: str | None = None
     users: list[UserEntry] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -686,11 +697,14 @@ class Config(_Model):
             raise PydanticCustomError("no_database", "config needs database_url or databases")
         # Parse every URL and merge every pool now, so a bad one stops start-up.
         try:
-            self.targets()
+            targets = self.targets()
         except ConfigError as exc:
             raise PydanticCustomError(
                 "scry_problems", "{detail}", {"detail": str(exc), "problems": exc.problems}
             ) from None
+        auth = self.auth
+        if auth is not None and auth.auth_dbname and auth.auth_dbname not in targets:
+            raise _problem("auth.auth_dbname", f"no database {auth.auth_dbname!r} is configured")
         return self
 
     @property

@@ -489,7 +489,7 @@ class Pool(PoolCore):
         spellings = self.setting_spellings
         todo = {k: v for k, v in settings.items() if (k, v) not in spellings}
         if todo:
-            server = await self._borrow()
+            server = await self.borrow()
             done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             server.run_internal(settings_sql({}, todo), done.set_result, resync=False)
             ok = await done
@@ -503,7 +503,7 @@ class Pool(PoolCore):
             self.release(server)
         return {k: spellings[(k, v)] for k, v in settings.items()}
 
-    async def _borrow(self) -> ServerConnection:
+    async def borrow(self) -> ServerConnection:
         """A server for scry's own use, waiting in line like a client would."""
         server = self.acquire_nowait()
         if server is not None:
@@ -621,7 +621,7 @@ class Pool(PoolCore):
 
 
 class _Borrower:
-    """Stands in the waiters queue for scry itself (see ``Pool._borrow``)."""
+    """Stands in the waiters queue for scry itself (see ``Pool.borrow``)."""
 
     def __init__(self, future: asyncio.Future[ServerConnection]) -> None:
         self.future = future

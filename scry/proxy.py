@@ -131,10 +131,6 @@ class Proxy:
             self.admin = admin
         self._janitor = loop.create_task(self._janitor_loop())
         await self.observatory.start()
-        auth = self.config.auth
-        if auth is not None and (auth.auth_user or auth.auth_query):
-            event("auth.auth_user and auth.auth_query are not in effect: a client needs a "
-                  "secret in auth.users or auth.auth_file", logging.WARNING)  # fmt: skip
         event("listening", addr=self.config.listen_addr, version=__version__,
               mode=self.config.pool.mode, pid=os.getpid())  # fmt: skip
 

@@ -53,6 +53,7 @@ _E = m.ERROR_RESPONSE[0]
 _R = m.AUTHENTICATION[0]
 _K = m.BACKEND_KEY_DATA[0]
 _N = m.NOTICE_RESPONSE[0]
+_D = m.DATA_ROW[0]
 _TX_IDLE = m.TX_IDLE
 
 # What the relay must see in the server's stream; everything else is forwarded unread.
@@ -129,7 +130,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_exit_timer", "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
         "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
-        "internal_error_fields", "local_addr", "params", "proxy", "release_after_cancel", "tls",
+        "internal_error_fields", "internal_rows", "local_addr", "params", "proxy", "release_after_cancel", "tls",
         "__weakref__"
     )  # fmt: skip
 
@@ -160,6 +161,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self._internal_done: Callable[[bool], None] | None = None
         self._internal_error = False
         self.internal_error_fields: dict[str, str] | None = None
+        self.internal_rows: list[list[bytes | None]] | None = None
         self._tls_answer: asyncio.Future[bytes] | None = None
         self._internal_timer: asyncio.TimerHandle | None = None
         self._internal_answers = 0
@@ -616,23 +618,32 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         done: Callable[[bool], None],
         resync: bool = True,
         timeout: float = INTERNAL_QUERY_TIMEOUT,
+        params: list[str] | None = None,
     ) -> None:
         """Run ``sql`` with no client attached; ``done(ok)`` when it is ready again.
 
         ``resync`` sends a Sync first: if the last client left PostgreSQL
         skipping messages after an extended-protocol error, that ends it, and
-        otherwise it only costs one extra ReadyForQuery.
+        otherwise it only costs one extra ReadyForQuery. With ``params`` the
+        query goes as Parse/Bind/Execute, and its rows are kept in
+        ``internal_rows``.
         """
         self.state = INTERNAL
         self._internal_done = done
         self._internal_answers = 2 if resync else 1
         self._internal_error = False
         self.internal_error_fields: dict[str, str] | None = None
+        self.internal_rows = None
+        if params is not None:
+            # Rows are whole messages, which the relay's scanner does not keep.
+            self.internal_rows = []
+            self._reader = MessageReader(self.pool.max_message_size)
+            self.statements.unnamed_owner = None  # (its Parse replaces the unnamed statement)
         # A server that does not answer our own query in time is not trusted again.
         self._internal_timer = asyncio.get_running_loop().call_later(
             timeout, self._internal_timed_out
         )
-        payload = m.query(sql)
+        payload = m.query(sql) if params is None else m.parameterized_query(sql, params)
         self.transport.write(m.sync() + payload if resync else payload)  # type: ignore[union-attr]
 
     async def run_connect_query(self, sql: str) -> None:
@@ -671,13 +682,22 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                 done(False)
 
     def _internal_data(self, data: bytes) -> None:
+        rows = self.internal_rows
         try:
-            _, events = self._scanner.feed(data)
+            if rows is None:
+                _, events = self._scanner.feed(data)
+            else:
+                reader = self._reader
+                assert reader is not None
+                reader.feed(data)
+                events = [(kind, 0, body) for kind, body in reader.messages()]
         except ProtocolViolation:
             self.close("protocol violation during internal query")
             return
         for kind, _end, body in events:
-            if kind == _E:
+            if kind == _D and rows is not None:
+                rows.append(m.parse_data_row(body))
+            elif kind == _E:
                 self._internal_error = True
                 self.internal_error_fields = m.parse_fields(body)
             elif kind == _S:
@@ -695,6 +715,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                     self._internal_timer = None
                 self.tx_status = body[0]
                 self.state = IDLE
+                self._reader = None
                 ok = not self._internal_error and body[0] == _TX_IDLE
                 if done is not None:
                     done(ok)

@@ -37,6 +37,7 @@ import yaml
 from pydantic import ValidationError
 
 from scry.config import (
+    DEFAULT_AUTH_QUERY,
     Config,
     ConfigError,
     _env_overrides,
@@ -351,11 +352,6 @@ def _peer_id(builder: _Builder, key: str, entry: Entry) -> None:
     builder.set("pgbouncer.peer_id", as_int(entry))
 
 
-# (A SCRAM secret looked up this way cannot log in to the server without
-# PgBouncer's SCRAM pass-through, which scramp does not offer.)
-_NO_AUTH_QUERY = "no auth_query lookups: clients need a secret in auth_file"
-
-
 def _auth_hba(builder: _Builder, key: str, entry: Entry) -> None:
     if entry.value:
         builder.set("auth.auth_hba_file", entry.value)
@@ -418,13 +414,9 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "auth_hba_file": Key("", handler=_auth_hba),
     "auth_ident_file": Key("", why="no ident maps"),
     "auth_file": Key(None, handler=_str_or_skip("auth.auth_file")),
-    "auth_user": Key(None, why=_NO_AUTH_QUERY),
-    "auth_query": Key(
-        "SELECT rolname, CASE WHEN rolvaliduntil < now() THEN NULL ELSE rolpassword END "
-        "FROM pg_authid WHERE rolname=$1 AND rolcanlogin",
-        why=_NO_AUTH_QUERY,
-    ),
-    "auth_dbname": Key("", why="auth_query runs in the client's database"),
+    "auth_user": Key(None, handler=_str_or_skip("auth.auth_user")),
+    "auth_query": Key(DEFAULT_AUTH_QUERY, handler=_str_or_skip("auth.auth_query")),
+    "auth_dbname": Key("", handler=_str_or_skip("auth.auth_dbname")),
     "auth_ldap_options": Key("", why="no LDAP authentication"),
     # --- logging
     "syslog": Key("0", why="scry logs to stderr or logfile"),
@@ -507,9 +499,9 @@ _ALIASES = {"reserve_pool": "reserve_pool_size"}
 _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
 _DB_UNSUPPORTED = {
-    "auth_user": _NO_AUTH_QUERY,
-    "auth_query": _NO_AUTH_QUERY,
-    "auth_dbname": "auth_query runs in the client's database",
+    "auth_user": "scry has one auth_user, in [pgbouncer]",
+    "auth_query": "scry has one auth_query, in [pgbouncer]",
+    "auth_dbname": "scry has one auth_dbname, in [pgbouncer]",
     "load_balance_hosts": "one host per database",
     "target_session_attrs": "servers are not checked for read-only/standby",
     "server_lifetime": "server_lifetime is global in scry",

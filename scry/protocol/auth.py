@@ -254,6 +254,12 @@ class BackendAuthExchange:
             raise BackendAuthError(
                 f'the server asked for a password for user "{self.user}" and none is configured'
             )
+        if secret_kind(self.password) == "scram":
+            # A SCRAM secret proves a password to us; it cannot stand in for one.
+            raise BackendAuthError(
+                f'only a SCRAM secret is known for user "{self.user}", and a server login '
+                "needs the password (or an md5 secret, for md5)"
+            )
         return self.password
 
     def respond(self, code: int, data: bytes) -> bytes | None:
@@ -261,7 +267,13 @@ class BackendAuthExchange:
         if code == m.AUTH_OK or code == m.AUTH_SASL_FINAL and self._scram is None:
             return None
         if code == m.AUTH_CLEARTEXT:
-            return m.password_message(self._need_password().encode())
+            password = self._need_password()
+            if secret_kind(password) == "md5":
+                raise BackendAuthError(
+                    f'the server asked for the password of user "{self.user}" in clear text, '
+                    "and only an md5 secret is known"
+                )
+            return m.password_message(password.encode())
         if code == m.AUTH_MD5:
             password = self._need_password()
             secret = password if secret_kind(password) == "md5" else md5_secret(self.user, password)

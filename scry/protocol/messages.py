@@ -180,8 +180,9 @@ def row_description(columns: Iterable[tuple[str, int]]) -> bytes:
     return message(ROW_DESCRIPTION, b"".join(body))
 
 
-def data_row(values: Iterable[str | None]) -> bytes:
-    """DataRow with text-format values (None is SQL NULL)."""
+def _text_values(values: Iterable[str | None]) -> bytes:
+    """An int16 count, then each value as int32 length + bytes (-1: NULL), as
+    DataRow and Bind carry them."""
     vals = list(values)
     body = [struct.pack("!h", len(vals))]
     for v in vals:
@@ -190,7 +191,12 @@ def data_row(values: Iterable[str | None]) -> bytes:
         else:
             raw = v.encode()
             body.append(_I32.pack(len(raw)) + raw)
-    return message(DATA_ROW, b"".join(body))
+    return b"".join(body)
+
+
+def data_row(values: Iterable[str | None]) -> bytes:
+    """DataRow with text-format values (None is SQL NULL)."""
+    return message(DATA_ROW, _text_values(values))
 
 
 # --- frontend messages --------------------------------------------------------
@@ -202,6 +208,20 @@ def query(sql: str) -> bytes:
 
 def terminate() -> bytes:
     return message(TERMINATE)
+
+
+def parameterized_query(sql: str, params: Iterable[str | None]) -> bytes:
+    """Parse, Bind, Execute and Sync of the unnamed statement: ``sql`` with
+    text parameters ($1, ...) that never become part of its text."""
+    # Bind: unnamed portal and statement, no parameter formats (text), the
+    # values, no result formats (text).
+    bind = b"\x00\x00\x00\x00" + _text_values(params) + b"\x00\x00"
+    return (
+        message(PARSE, b"\x00" + _cstr(sql) + struct.pack("!h", 0))
+        + message(BIND, bind)
+        + message(EXECUTE, b"\x00" + _I32.pack(0))
+        + message(SYNC)
+    )
 
 
 def sync() -> bytes:
@@ -221,6 +241,22 @@ def sasl_response(data: bytes) -> bytes:
 
 
 # --- parsers --------------------------------------------------------------------
+
+
+def parse_data_row(body: bytes) -> list[bytes | None]:
+    """The column values of a DataRow body (None is SQL NULL)."""
+    (count,) = struct.unpack_from("!h", body)
+    values: list[bytes | None] = []
+    pos = 2
+    for _ in range(count):
+        (length,) = _I32.unpack_from(body, pos)
+        pos += 4
+        if length < 0:
+            values.append(None)
+        else:
+            values.append(body[pos : pos + length])
+            pos += length
+    return values
 
 
 def parse_fields(body: bytes) -> dict[str, str]:

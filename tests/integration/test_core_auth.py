@@ -261,15 +261,3 @@ async def test_hba_file_chooses_the_method_per_connection(scry_proxy, tmp_path, 
     wait_until(lambda: "reload failed" in proxy.log_text(), 5, what="reload failed")
     assert "auth.auth_hba_file" in proxy.log_text() and "line 1" in proxy.log_text()
     assert tuple(await asyncpg_select(proxy, "alice", "alice_pass")) == ("app", 42)
-
-
-def test_auth_query_settings_are_said_to_be_not_in_effect(scry_proxy, wait_until) -> None:
-    users = [{"name": "app", "password": "app_pass"}]
-    proxy = scry_proxy({"auth": {"type": "md5", "auth_user": "lookup", "users": users}})
-    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
-        psycopg.connect(proxy.dsn(user="lookup", password="anything"))
-    wait_until(
-        lambda: "auth.auth_user and auth.auth_query are not in effect" in proxy.log_text(),
-        5,
-        what="the warning",
-    )

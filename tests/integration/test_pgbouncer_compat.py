@@ -487,3 +487,37 @@ def test_hba_file_lets_in_whom_pgbouncer_lets_in(pg: DevCluster, workdir: Path) 
             bouncer.stop()
     assert outcomes["scry"] == outcomes["pgbouncer"], outcomes
     assert outcomes["scry"] == ["in", "refused", "refused", "in", "refused", "refused", "refused"]
+
+
+AUTH_QUERY_LOGINS = [  # (local, user, password, dbname)
+    (False, "md5_user", "md5_pass", "app"),  # md5 secret: client and server login
+    (False, "md5_user", "wrong", "app"),
+    (False, "scram_user", "scram_pass", "forced"),  # SCRAM secret, forced server user
+    (False, "scram_user", "wrong", "forced"),
+    (False, "nobody", "md5_pass", "app"),
+    (False, "scram_user", "scram_pass", "app"),  # needs SCRAM pass-through
+]
+
+
+def test_auth_query_lets_in_whom_pgbouncer_lets_in(pg: DevCluster, workdir: Path) -> None:
+    """The same ini with auth_user / auth_query: the same logins succeed, but two."""
+    outcomes = {}
+    for kind in ("pgbouncer", "scry"):
+        bouncer = Bouncer(kind, pg, workdir)
+        bouncer.write_ini(
+            "auth_user = postgres\n"
+            "auth_query = SELECT usename, passwd FROM pg_shadow WHERE usename=$1\n"
+        )
+        bouncer.start()
+        try:
+            outcomes[kind] = [_login(bouncer, *login) for login in AUTH_QUERY_LOGINS]
+        finally:
+            bouncer.stop()
+    assert outcomes["scry"] == ["in", "refused", "in", "refused", "refused", "refused"], outcomes
+    same = [0, 1, 3, 4]
+    assert [outcomes["pgbouncer"][i] for i in same] == [outcomes["scry"][i] for i in same]
+    # Known differences (docs/migrating-from-pgbouncer.md): a SCRAM secret logs
+    # in to the server only through PgBouncer's SCRAM pass-through; and with a
+    # forced user PgBouncer 1.18 logs in with the client's SCRAM keys instead of
+    # the forced user's password, and fails (pgbouncer/pgbouncer#1072).
+    assert outcomes["pgbouncer"][5] == "in", outcomes

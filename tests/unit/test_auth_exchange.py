@@ -466,6 +466,21 @@ def test_backend_cleartext(kind: str) -> None:
     assert result == ("ok", [m.AUTH_CLEARTEXT, m.AUTH_OK])
 
 
+@pytest.mark.parametrize("method", ["md5", "scram-sha-256", "plain"])
+def test_backend_refuses_to_log_in_with_a_scram_secret(method: str) -> None:
+    # A looked-up SCRAM secret cannot stand in for the password: said plainly,
+    # before anything derived from it goes to the server.
+    server = ClientAuthExchange(method, USER, PASSWORD)
+    with pytest.raises(BackendAuthError, match='only a SCRAM secret is known for user "alice"'):
+        wire(server, BackendAuthExchange(USER, SECRETS["scram"]))
+
+
+def test_backend_cleartext_is_not_answered_with_an_md5_secret() -> None:
+    server = ClientAuthExchange("plain", USER, PASSWORD)
+    with pytest.raises(BackendAuthError, match="only an md5 secret is known"):
+        wire(server, BackendAuthExchange(USER, MD5_SECRET))
+
+
 def test_backend_trust_needs_no_password() -> None:
     assert wire(ClientAuthExchange("trust", USER, None), BackendAuthExchange(USER, None)) == (
         "ok",

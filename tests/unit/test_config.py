@@ -469,6 +469,15 @@ def test_check_config_bad_key(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
 
 
+def test_auth_query_settings(tmp_path: Path) -> None:
+    """auth_dbname must name a configured database; auth_query has PgBouncer's default."""
+    assert "auth.auth_dbname: no database 'elsewhere' is configured" in error_for(
+        tmp_path, SEED_YAML + "auth:\n  auth_user: lookup\n  auth_dbname: elsewhere\n"
+    )
+    cfg = load_config(write(tmp_path, SEED_YAML + "auth:\n  auth_user: lookup\n"))
+    assert cfg.auth is not None and cfg.auth.auth_query.startswith("SELECT rolname, CASE")
+
+
 def test_check_config_reads_the_hba_file(tmp_path: Path) -> None:
     """A rule scry cannot honour fails check-config (as it would fail serve), by key and line."""
     assert "auth.auth_hba_file: is required when auth.type is hba" in error_for(

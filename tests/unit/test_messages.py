@@ -184,6 +184,21 @@ def test_frontend_messages() -> None:
     assert one(m.sasl_response(b"c=biws")) == (ord("p"), b"c=biws")
 
 
+def test_parameterized_query_and_data_rows() -> None:
+    r = MessageReader()
+    r.feed(m.parameterized_query("SELECT $1, $2", ["o'hara", None]))
+    (pk, parse), (bk, bind), (ek, execute), (sk, sync) = r.messages()
+    assert (pk, ek, sk, sync) == (ord("P"), ord("E"), ord("S"), b"")
+    assert parse == b"\x00SELECT $1, $2\x00\x00\x00"  # unnamed, no parameter types
+    # portal, statement, no formats, 2 values (the quote goes as is; NULL is -1), text results
+    assert bind == b"\x00\x00" + struct.pack("!hh", 0, 2) + struct.pack("!i", 6) + b"o'hara" + (
+        struct.pack("!ih", -1, 0)
+    )
+    assert execute == b"\x00" + struct.pack("!i", 0)
+    _, row = one(m.data_row(["a", None, ""]))
+    assert m.parse_data_row(row) == [b"a", None, b""]
+
+
 def test_sasl_initial_response_roundtrip() -> None:
     kind, body = one(m.sasl_initial_response("SCRAM-SHA-256", b"n,,n=,r=abc"))
     assert kind == ord("p")

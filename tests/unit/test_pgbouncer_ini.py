@@ -284,19 +284,20 @@ def test_statement_mode_is_recorded(tmp_path: Path) -> None:
     assert config.targets()["db"].pool.mode == "statement"
 
 
-def test_auth_query_is_reported_not_in_effect(tmp_path: Path) -> None:
+def test_auth_user_query_and_dbname_map_to_auth(tmp_path: Path) -> None:
     path = tmp_path / "aq.ini"
     path.write_text(
-        "[databases]\ndb = host=127.0.0.1 auth_user=lookup\n[pgbouncer]\n"
-        "listen_addr = 127.0.0.1\nauth_user = lookup\n"
+        "[databases]\ndb = host=127.0.0.1 auth_user=other\nlookups = host=127.0.0.1\n"
+        "[pgbouncer]\nlisten_addr = 127.0.0.1\nauth_user = lookup\nauth_dbname = lookups\n"
+        "auth_query = SELECT usename, passwd FROM pg_shadow WHERE usename=$1\n"
     )
     config, warnings = load_pgbouncer_config(path, env={})
-    assert (
-        "not supported: auth_user (no auth_query lookups: clients need a secret in auth_file)"
-        in warnings
-    )
+    assert config.auth is not None
+    assert (config.auth.auth_user, config.auth.auth_dbname) == ("lookup", "lookups")
+    assert config.auth.auth_query == "SELECT usename, passwd FROM pg_shadow WHERE usename=$1"
+    assert not any(w.startswith("not supported: auth_") for w in warnings), warnings
+    # One auth_user for all: a per-database one is reported, not half-applied.
     assert any(w.startswith("not supported: [databases] auth_user") for w in warnings), warnings
-    assert config.auth is not None and config.auth.auth_user is None
 
 
 def test_connection_limits_become_pool_settings(tmp_path: Path) -> None:
