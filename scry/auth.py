@@ -55,11 +55,12 @@ class AuthPolicy:
     def secret_for(self, user: str) -> str | None:
         return self.users.get(user)
 
-    def looks_up(self, user: str, method: str) -> bool:
+    def looks_up(self, target: DatabaseTarget, user: str, method: str) -> bool:
         """Whether a login by ``user`` with ``method`` needs auth_query for its
-        secret: a password method, and no secret here (PgBouncer's order)."""
+        secret: an auth_user (the database's or the global one), a password
+        method, and no secret here (PgBouncer's order)."""
         return (
-            self.auth_user is not None
+            (target.auth_user or self.auth_user) is not None
             and method in ("md5", "scram-sha-256", "plain")
             and user not in self.users
         )

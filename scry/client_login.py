@@ -301,7 +301,7 @@ class ClientLogin:
         if proxy.config.application_name_add_host:  # (a copy: settings are shared, cached)
             settings = {**settings, "application_name": f"{self.application_name} - {self.addr}"}
         self.params = settings
-        if proxy.auth.looks_up(self.user, method):
+        if proxy.auth.looks_up(target, self.user, method):
             self.state = AUTH  # (what the client sends meanwhile waits in _startup_buf)
             asyncio.get_running_loop().create_task(self._look_up_and_authenticate(target, method))
             return

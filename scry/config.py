@@ -231,6 +231,9 @@ class DatabaseConfig(_Model):
 
     database_url: str
     pool: PoolOverride | None = None
+    #: PgBouncer's per-database auth_user / auth_dbname: override ``auth.*`` here.
+    auth_user: str | None = None
+    auth_dbname: str | None = None
 
 
 class UserEntry(_Model):
@@ -519,6 +522,8 @@ class DatabaseTarget:
     password: str | None
     params: dict[str, str] = field(default_factory=dict)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    auth_user: str | None = None  # (this database's, over auth.auth_user)
+    auth_dbname: str | None = None
 
     def __repr__(self) -> str:
         # Never print the password, even by accident in a log line.
@@ -702,9 +707,14 @@ class Config(_Model):
             raise PydanticCustomError(
                 "scry_problems", "{detail}", {"detail": str(exc), "problems": exc.problems}
             ) from None
-        auth = self.auth
-        if auth is not None and auth.auth_dbname and auth.auth_dbname not in targets:
-            raise _problem("auth.auth_dbname", f"no database {auth.auth_dbname!r} is configured")
+        # (autodb may make more databases later; the lookups' must exist now)
+        auth_dbnames = {f"databases.{name}": db.auth_dbname for name, db in self.databases.items()}
+        if self.pgbouncer is not None and self.pgbouncer.autodb is not None:
+            auth_dbnames["pgbouncer.autodb"] = self.pgbouncer.autodb.auth_dbname
+        auth_dbnames["auth"] = self.auth.auth_dbname if self.auth is not None else None
+        for where, auth_dbname in auth_dbnames.items():
+            if auth_dbname and auth_dbname not in targets:
+                raise _problem(f"{where}.auth_dbname", f"no database {auth_dbname!r} is configured")
         return self
 
     @property
@@ -740,7 +750,7 @@ class Config(_Model):
             except ValidationError as exc:
                 problems.extend(_problems_from_validation(exc, prefix=(*key.split("."), "pool")))
                 continue
-            result[name] = _target(name, parsed, pool)
+            result[name] = _target(name, parsed, pool, db.auth_user, db.auth_dbname)
         if problems:
             raise ConfigError("\n".join(problems), problems=problems)
         return result
@@ -766,7 +776,13 @@ class Config(_Model):
         return data
 
 
-def _target(name: str, parsed: _ParsedUrl, pool: PoolConfig) -> DatabaseTarget:
+def _target(
+    name: str,
+    parsed: _ParsedUrl,
+    pool: PoolConfig,
+    auth_user: str | None = None,
+    auth_dbname: str | None = None,
+) -> DatabaseTarget:
     return DatabaseTarget(
         name=name,
         host=parsed.host,
@@ -777,6 +793,8 @@ def _target(name: str, parsed: _ParsedUrl, pool: PoolConfig) -> DatabaseTarget:
         password=parsed.password,
         params=dict(parsed.params),
         pool=pool,
+        auth_user=auth_user,
+        auth_dbname=auth_dbname,
     )
 
 

@@ -499,9 +499,7 @@ _ALIASES = {"reserve_pool": "reserve_pool_size"}
 _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
 _DB_UNSUPPORTED = {
-    "auth_user": "scry has one auth_user, in [pgbouncer]",
     "auth_query": "scry has one auth_query, in [pgbouncer]",
-    "auth_dbname": "scry has one auth_dbname, in [pgbouncer]",
     "load_balance_hosts": "one host per database",
     "target_session_attrs": "servers are not checked for read-only/standby",
     "server_lifetime": "server_lifetime is global in scry",
@@ -509,7 +507,7 @@ _DB_UNSUPPORTED = {
 }
 _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_pool_size",
              "reserve_pool", "reserve_pool_size", "pool_mode", "max_db_connections",
-             "max_db_client_connections", "connect_query",
+             "max_db_client_connections", "connect_query", "auth_user", "auth_dbname",
              *_DB_SETTINGS, *_DB_UNSUPPORTED}  # fmt: skip
 _USER_UNSUPPORTED = {
     "query_timeout": "query_timeout is global in scry",
@@ -664,16 +662,17 @@ def _databases(builder: _Builder) -> None:
             builder.differs(f"differs: [databases] {name}: password without user is ignored")
             params.pop("password")
         pool = _db_pool(params, entry.where)
-        if name == "*":
-            autodb: dict[str, Any] = {"database_url": _db_url(params, None, socket_dir)}
-            if pool:
-                autodb["pool"] = pool
-            builder.set("pgbouncer.autodb", autodb)
-            continue
-        db: dict[str, Any] = {"database_url": _db_url(params, name, socket_dir)}
+        db: dict[str, Any] = {"database_url": _db_url(params, None if name == "*" else name,
+                                                      socket_dir)}  # fmt: skip
         if pool:
             db["pool"] = pool
-        databases[name] = db
+        for key in ("auth_user", "auth_dbname"):
+            if params.get(key):
+                db[key] = params[key]
+        if name == "*":
+            builder.set("pgbouncer.autodb", db)
+        else:
+            databases[name] = db
     builder.data["databases"] = databases
 
 

@@ -114,3 +114,20 @@ async def test_a_failing_auth_query_refuses_that_client_and_logs_why(
     assert "could not look up user" in refused(proxy2, "someone", "pw")
     wait_until(lambda: "auth_query failed" in proxy2.log_text(), 5, what="the log line")
     assert select_user(proxy2, "app", "app_pass") == ("app", "app")
+
+
+def test_a_database_can_name_its_own_auth_user(pg, scry_proxy) -> None:
+    # No global auth_user: only "looked" looks users up (PgBouncer's
+    # per-database auth_user), and there it runs in auth_dbname "app".
+    url = pg.url()
+    proxy = scry_proxy(
+        {
+            "auth": {"type": "md5", "users": [{"name": "app", "password": "app_pass"}]},
+            "databases": {"looked": {"database_url": url, "auth_user": "postgres",
+                                     "auth_dbname": "app"}},
+        }
+    )  # fmt: skip
+    role = new_role(pg, "mine")
+    with psycopg.connect(proxy.dsn(user=role, password="mine", dbname="looked")) as conn:
+        assert conn.execute("select current_user").fetchone() == ("app",)
+    assert "password authentication failed" in refused(proxy, role, "mine")  # at "app"

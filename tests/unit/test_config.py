@@ -476,6 +476,13 @@ def test_auth_query_settings(tmp_path: Path) -> None:
     )
     cfg = load_config(write(tmp_path, SEED_YAML + "auth:\n  auth_user: lookup\n"))
     assert cfg.auth is not None and cfg.auth.auth_query.startswith("SELECT rolname, CASE")
+    per_database = "databases:\n  other:\n    database_url: postgres://h/o\n"
+    assert "databases.other.auth_dbname: no database 'nope' is configured" in error_for(
+        tmp_path, SEED_YAML + per_database + "    auth_dbname: nope\n"
+    )
+    cfg = load_config(write(tmp_path, SEED_YAML + per_database + "    auth_user: lookup\n"))
+    assert cfg.targets()["other"].auth_user == "lookup"
+    assert cfg.targets()["mydb"].auth_user is None
 
 
 def test_check_config_reads_the_hba_file(tmp_path: Path) -> None:

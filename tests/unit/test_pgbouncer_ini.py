@@ -295,9 +295,18 @@ def test_auth_user_query_and_dbname_map_to_auth(tmp_path: Path) -> None:
     assert config.auth is not None
     assert (config.auth.auth_user, config.auth.auth_dbname) == ("lookup", "lookups")
     assert config.auth.auth_query == "SELECT usename, passwd FROM pg_shadow WHERE usename=$1"
-    assert not any(w.startswith("not supported: auth_") for w in warnings), warnings
-    # One auth_user for all: a per-database one is reported, not half-applied.
-    assert any(w.startswith("not supported: [databases] auth_user") for w in warnings), warnings
+    assert not any("auth_" in w for w in warnings), warnings
+    # A database's own auth_user (and '*''s, for the databases made from it) wins.
+    assert config.targets()["db"].auth_user == "other"
+    assert config.targets()["lookups"].auth_user is None
+    path.write_text(
+        "[databases]\n* = host=127.0.0.1 auth_user=lookup auth_dbname=main\n"
+        "main = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
+    )
+    config, _ = load_pgbouncer_config(path, env={})
+    assert config.pgbouncer is not None and config.pgbouncer.autodb is not None
+    autodb = config.pgbouncer.autodb
+    assert (autodb.auth_user, autodb.auth_dbname) == ("lookup", "main")
 
 
 def test_connection_limits_become_pool_settings(tmp_path: Path) -> None:
