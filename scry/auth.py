@@ -14,6 +14,9 @@ from scry.config import Config, ConfigError, DatabaseTarget
 from scry.hba import HbaError, HbaRules, load_hba
 from scry.userlist import load_userlist
 
+#: Client auth methods a stored secret must answer.
+PASSWORD_METHODS = ("md5", "scram-sha-256", "plain")
+
 
 @dataclass(frozen=True)
 class AuthPolicy:
@@ -61,7 +64,7 @@ class AuthPolicy:
         method, and no secret here (PgBouncer's order)."""
         return (
             (target.auth_user or self.auth_user) is not None
-            and method in ("md5", "scram-sha-256", "plain")
+            and method in PASSWORD_METHODS
             and user not in self.users
         )
 

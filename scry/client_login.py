@@ -20,6 +20,7 @@ import logging
 import pwd
 import ssl
 
+from scry.auth import PASSWORD_METHODS
 from scry.auth_query import look_up_secret
 from scry.config import DatabaseTarget
 from scry.hybrid import SessionTracker, TransactionTracker
@@ -332,18 +333,24 @@ class ClientLogin:
     ) -> None:
         """Choose the pool and start the exchange that checks ``secret``."""
         proxy = self.proxy
-        server_user, server_password = proxy.auth.server_credentials(target, self.user, secret)
-        self.pool = proxy.pool_for(target, server_user, server_password)
-        if looked_up and not target.user and self.pool.server_password != server_password:
-            self.pool.server_password = server_password  # (changed since; new servers use it)
-        if (over := self._client_limit_reached()) is not None:
-            self.fatal(TOO_MANY_CONNECTIONS, f"no more connections allowed ({over})")
-            return
-        self.stats = self.pool.stats
-        mode = self.pool.mode
-        self.transaction_pooling = mode != "session"
-        self.statement_pooling = mode == "statement"
-        self.tracker = self._new_tracker(mode)
+        if secret is None and method in PASSWORD_METHODS and not target.user:
+            # No such user: the exchange still runs to its failing end (a probe
+            # cannot tell unknown users from wrong passwords), but no pool is
+            # made, and kept, for a name anyone can make up.
+            raw = None
+        else:
+            server_user, server_password = proxy.auth.server_credentials(target, self.user, secret)
+            pool = self.pool = proxy.pool_for(target, server_user, server_password)
+            if looked_up and not target.user and pool.server_password != server_password:
+                pool.server_password = server_password  # (changed since; new servers use it)
+            if (over := self._client_limit_reached()) is not None:
+                self.fatal(TOO_MANY_CONNECTIONS, f"no more connections allowed ({over})")
+                return
+            self.stats = pool.stats
+            mode = pool.mode
+            self.transaction_pooling = mode != "session"
+            self.statement_pooling = mode == "statement"
+            self.tracker = self._new_tracker(mode)
         self._auth = ClientAuthExchange(method, self.user, secret)
         self._reader = MessageReader(proxy.config.max_packet_size)
         self.state = AUTH

@@ -14,6 +14,7 @@ import asyncpg
 import psycopg
 import pytest
 
+from tests.integration.test_admin_api import get, start_admin_proxy
 from tests.integration.test_core_auth import asyncpg_select, run_psql
 
 LOOKUP = {"type": "scram-sha-256", "auth_user": "postgres"}
@@ -75,11 +76,11 @@ async def test_a_forced_user_pool_serves_roles_looked_up_at_each_login(pg, scry_
 
 
 def test_without_a_forced_user_the_found_secret_logs_in_to_the_server(pg, scry_proxy) -> None:
-    proxy = scry_proxy(
-        {
-            "database_url": f"postgres://127.0.0.1:{pg.port}/app",
-            "auth": {**LOOKUP, "type": "md5"},
-        }
+    proxy, admin = start_admin_proxy(
+        scry_proxy,
+        database_url=f"postgres://127.0.0.1:{pg.port}/app",
+        auth={**LOOKUP, "type": "md5"},
+        pool={"mode": "transaction", "size": 3},
     )
     # md5_user's pg_authid secret is md5 and its pg_hba line md5: the md5
     # secret answers the server's challenge as PgBouncer's does.
@@ -90,6 +91,11 @@ def test_without_a_forced_user_the_found_secret_logs_in_to_the_server(pg, scry_p
     message = refused(proxy, "scram_user", "scram_pass")
     assert 'only a SCRAM secret is known for user "scram_user"' in message
     assert select_user(proxy, "md5_user", "md5_pass") == ("md5_user", "md5_user")
+    # Made-up names fail as wrong passwords do, and leave no pool behind.
+    for n in range(3):
+        assert "password authentication failed" in refused(proxy, f"made_up_{n}", "x")
+    pools = {p["user"] for p in get(admin, "/api/v1/pools")["pools"]}
+    assert pools == {"md5_user", "scram_user", "postgres"}, pools
 
 
 async def test_a_failing_auth_query_refuses_that_client_and_logs_why(
