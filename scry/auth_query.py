@@ -49,6 +49,7 @@ async def look_up_secret(proxy: Proxy, target: DatabaseTarget, user: str) -> str
     )
     ok = await answered
     rows, fields = server.internal_rows, server.internal_error_fields
+    server.internal_rows = None  # (the secret is not kept on the server)
     if server.state is not CLOSED:
         pool.release(server)
     if not ok:

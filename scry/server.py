@@ -130,8 +130,8 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_exit_timer", "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
         "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
-        "internal_error_fields", "internal_rows", "local_addr", "params", "proxy", "release_after_cancel", "tls",
-        "__weakref__"
+        "internal_error_fields", "internal_rows", "local_addr", "params", "proxy",
+        "release_after_cancel", "tls", "__weakref__"
     )  # fmt: skip
 
     def __init__(self, pool: Pool) -> None:
