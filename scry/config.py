@@ -459,6 +459,9 @@ class PgbouncerCompatConfig(_Model):
     users: dict[str, PgbouncerUserOverride] = Field(default_factory=dict)
     #: The ``*`` fallback database: used for any database name not configured.
     autodb: DatabaseConfig | None = None
+    #: A database made from ``*`` that nothing used for this long is forgotten
+    #: (its pools and breaker too); 0 = never.
+    autodb_idle_timeout: Seconds = 3600
     #: The pgbouncer.ini this came from (RELOAD / SIGHUP re-read it).
     conffile: str | None = None
 

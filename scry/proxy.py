@@ -272,6 +272,10 @@ class Proxy:
             self._enforce_timeouts(now)
             self._reclaim_idle_pins(now)
             self._stats_log.tick(now, self.config.log.stats_period, self.pools.values())
+            if self.config.pgbouncer is not None:
+                from scry.pgbouncer.state import free_idle_autodbs
+
+                free_idle_autodbs(self, now)
 
     # --- breakers and health ----------------------------------------------------------
 

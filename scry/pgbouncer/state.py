@@ -7,6 +7,7 @@ DISABLE, SET ...); they live in a :class:`ConsoleState` attached to the proxy.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,8 @@ class ConsoleState:
     warned: set[str] = field(default_factory=set)
     #: The Unix socket file this process created (removed at exit).
     unix_path: str | None = None
+    #: Databases made from ``*``: name -> when last seen in use (time.monotonic()).
+    autodb: dict[str, float] = field(default_factory=dict)
 
 
 _states: weakref.WeakKeyDictionary[Proxy, ConsoleState] = weakref.WeakKeyDictionary()
@@ -69,4 +72,33 @@ def autodb_target(proxy: Proxy, database: str) -> Any:
         event("autodb failed", logging.WARNING, database=database, error=str(exc))
         return None
     proxy.targets[database] = target
+    state_for(proxy).autodb[database] = time.monotonic()
     return target
+
+
+def free_idle_autodbs(proxy: Proxy, now: float) -> None:
+    """autodb_idle_timeout (the janitor's): forget a database made from ``*``
+    that no client and no server has used for that long, as PgBouncer frees
+    it, so that names asked for once do not pile up."""
+    compat = proxy.config.pgbouncer
+    state = _states.get(proxy)
+    if compat is None or state is None or not state.autodb:
+        return
+    in_use = {client.database for client in proxy.clients}
+    for (database, _user), pool in proxy.pools.items():
+        if pool.servers or pool.connecting or pool.waiters:
+            in_use.add(database)
+    timeout = compat.autodb_idle_timeout
+    for database, seen in list(state.autodb.items()):
+        if database in in_use:
+            state.autodb[database] = now
+        elif timeout and now - seen >= timeout:
+            del state.autodb[database]
+            proxy.targets.pop(database, None)
+            for key in [key for key in proxy.pools if key[0] == database]:
+                pool = proxy.pools.pop(key)
+                pool.stale = True  # (a login plan that still names it goes the long way)
+                pool.close_all("autodb_idle_timeout")
+            proxy.breakers.pop(database, None)
+            proxy.health.pop(database, None)
+            event("autodb freed", database=database, idle=round(now - seen))

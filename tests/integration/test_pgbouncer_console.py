@@ -99,3 +99,38 @@ def test_shutdown_wait_for_clients(scry_bouncer: Bouncer) -> None:
     assert b.proc is not None and b.proc.poll() is None
     conn.close()
     assert b.proc.wait(10) == 0
+
+
+def test_autodb_databases_are_freed_when_idle(pg: DevCluster, wait_until) -> None:
+    """autodb_idle_timeout: a database made from '*' (one that exists, and one
+    that does not) is forgotten once no client and no server has used it."""
+    with bouncer_dir() as directory:
+        b = Bouncer("scry", pg, directory)
+        b.write_ini("autodb_idle_timeout = 1\nserver_idle_timeout = 1\n")
+        b.ini.write_text(
+            b.ini.read_text().replace(
+                "[databases]\n", f"[databases]\n* = port={pg.port} host=127.0.0.1\n"
+            )
+        )
+        b.start()
+        try:
+
+            def databases() -> set[str]:
+                return {row[0] for row in b.admin("SHOW DATABASES")[1]}
+
+            with b.connect(dbname="postgres") as conn:
+                assert conn.execute("select current_database()").fetchone() == ("postgres",)
+            with pytest.raises(psycopg.OperationalError, match="does not exist"):
+                b.connect(dbname="made_up")
+            assert {"postgres", "made_up"} <= databases()
+            # The idle server closes first (server_idle_timeout), then the database goes.
+            wait_until(lambda: not {"postgres", "made_up"} & databases(), 10, what="freed")
+            assert (
+                "autodb freed" in b.output()
+                or "autodb freed" in (directory / "scry.log").read_text()
+            )
+            with b.connect(dbname="postgres") as conn:  # asked for again: made again
+                assert conn.execute("select 1").fetchone() == (1,)
+            assert "app" in databases()  # configured databases are never freed
+        finally:
+            b.stop()
