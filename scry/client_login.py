@@ -321,7 +321,7 @@ class ClientLogin:
                 self.fatal(CONNECTION_FAILURE, f'could not look up user "{self.user}" (auth_query)')
             return
         if self.state is AUTH:
-            self._authenticate(target, method, secret, None, looked_up=True)
+            self._authenticate(target, method, secret, None)
 
     def _authenticate(
         self,
@@ -329,7 +329,6 @@ class ClientLogin:
         method: str,
         secret: str | None,
         raw: bytes | None,
-        looked_up: bool = False,
     ) -> None:
         """Choose the pool and start the exchange that checks ``secret``."""
         proxy = self.proxy
@@ -341,8 +340,10 @@ class ClientLogin:
         else:
             server_user, server_password = proxy.auth.server_credentials(target, self.user, secret)
             pool = self.pool = proxy.pool_for(target, server_user, server_password)
-            if looked_up and not target.user and pool.server_password != server_password:
-                pool.server_password = server_password  # (changed since; new servers use it)
+            if pool.server_password != server_password:
+                # A looked-up secret changed since (or the pool was made before
+                # the lookup): new servers use the one just found.
+                pool.server_password = server_password
             if (over := self._client_limit_reached()) is not None:
                 self.fatal(TOO_MANY_CONNECTIONS, f"no more connections allowed ({over})")
                 return
