@@ -226,6 +226,10 @@ class ServerInfo(Payload):
     client_id: str | None
     backend_pid: int
     local_addr: str
+    addr: str = Field(
+        "",
+        description="The server's ip:port or socket directory (of a host list, the one it took).",
+    )
     created_at: float
     age_s: float
     idle_s: float | None

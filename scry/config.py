@@ -513,13 +513,22 @@ def _read_secret_file(path: str, key: str) -> str:
 # --------------------------------------------------------------------------- #
 
 
+#: How a database's hosts share its new server connections (PgBouncer's and
+#: libpq's ``load_balance_hosts``; see scry.hosts).
+LoadBalanceHosts = Literal["round-robin", "disable", "random"]
+LOAD_BALANCE_HOSTS: tuple[str, ...] = typing.get_args(LoadBalanceHosts)
+
+
 @dataclass(frozen=True)
 class DatabaseTarget:
-    """A backend database as the pool sees it; ``name`` is what clients ask for."""
+    """A backend database as the pool sees it; ``name`` is what clients ask for.
+
+    ``hosts`` holds one (host, port) or more: a list is tried in the order
+    ``load_balance_hosts`` gives (scry.hosts).
+    """
 
     name: str
-    host: str
-    port: int
+    hosts: tuple[tuple[str, int], ...]
     dbname: str
     user: str | None
     password: str | None
@@ -527,12 +536,23 @@ class DatabaseTarget:
     pool: PoolConfig = field(default_factory=PoolConfig)
     auth_user: str | None = None  # (this database's, over auth.auth_user)
     auth_dbname: str | None = None
+    load_balance_hosts: LoadBalanceHosts = "round-robin"
+
+    @property
+    def host(self) -> str:
+        """The host list as PgBouncer shows it (SHOW DATABASES): names joined by commas."""
+        return ",".join(host for host, _ in self.hosts)
+
+    @property
+    def port(self) -> int:
+        """The first host's port (the only one, unless ports differ per host)."""
+        return self.hosts[0][1]
 
     def __repr__(self) -> str:
         # Never print the password, even by accident in a log line.
         password = MASK if self.password is not None else None
         return (
-            f"DatabaseTarget(name={self.name!r}, host={self.host!r}, port={self.port}, "
+            f"DatabaseTarget(name={self.name!r}, hosts={self.hosts!r}, "
             f"dbname={self.dbname!r}, user={self.user!r}, password={password!r}, "
             f"params={self.params!r})"
         )
@@ -540,51 +560,90 @@ class DatabaseTarget:
 
 @dataclass(frozen=True)
 class _ParsedUrl:
-    host: str
-    port: int
+    hosts: tuple[tuple[str, int], ...]
     dbname: str | None
     user: str | None
     password: str | None
     params: dict[str, str]
+    load_balance_hosts: LoadBalanceHosts
 
 
 def _parse_database_url(url: str) -> _ParsedUrl:
-    """Parse a libpq-style URL; raises ValueError with a readable message."""
+    """Parse a libpq-style URL; raises ValueError with a readable message.
+
+    As in libpq, several hosts are a comma-separated list, in the authority
+    (``h1:5432,h2:5433``) or in ``host=`` with ``port=`` holding one port for
+    all or one per host.
+    """
     try:
         parts = urlsplit(url)
     except ValueError as exc:
         raise ValueError(f"not a valid URL ({exc})") from None
     if parts.scheme not in ("postgres", "postgresql"):
         raise ValueError(f"expected a postgres:// or postgresql:// URL, found {_mask_url(url)!r}")
-    hostinfo = parts.netloc.rpartition("@")[2]
-    if "," in hostinfo:
-        raise ValueError("several hosts in one URL are not supported")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"bad port in {_mask_url(url)!r}") from None
-
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
     # libpq lets connection parameters live in the query string too.
     user = params.pop("user", None) or (unquote(parts.username) if parts.username else None)
     password = params.pop("password", None)
     if password is None and parts.password is not None:
         password = unquote(parts.password)
-    host = params.pop("host", None) or parts.hostname or "localhost"
+    listed = _authority_hosts(parts.netloc.rpartition("@")[2], url)
+    hosts = [host for host, _ in listed]
+    ports = [port for _, port in listed]
+    host_param = params.pop("host", None)
+    if host_param:
+        hosts = [host.strip() for host in host_param.split(",")]
     port_param = params.pop("port", None)
-    if port_param is not None:
-        if not port_param.isdigit():
-            raise ValueError(f"bad port {port_param!r}")
-        port = int(port_param)
+    if port_param:
+        ports = [_port(port.strip()) for port in port_param.split(",")]
+    if len(ports) == 1:
+        ports *= len(hosts)
+    elif len(ports) != len(hosts):
+        raise ValueError(
+            f"{len(ports)} ports for {len(hosts)} hosts (give one for all, or one each)"
+        )
+    balance = params.pop("load_balance_hosts", "round-robin")
+    if balance not in LOAD_BALANCE_HOSTS:
+        raise ValueError(
+            f"load_balance_hosts={balance!r}: expected one of {', '.join(LOAD_BALANCE_HOSTS)}"
+        )
     dbname = params.pop("dbname", None) or unquote(parts.path.lstrip("/")) or user
     return _ParsedUrl(
-        host=host,
-        port=port if port is not None else 5432,
+        hosts=tuple(
+            (host or "localhost", 5432 if port is None else port)
+            for host, port in zip(hosts, ports, strict=True)
+        ),
         dbname=dbname,
         user=user,
         password=password,
         params=params,
+        load_balance_hosts=typing.cast(LoadBalanceHosts, balance),
     )
+
+
+def _authority_hosts(hostinfo: str, url: str) -> list[tuple[str, int | None]]:
+    """``h1:5432,[::1]:5433,h3`` (percent-decoded; a missing port is None)."""
+    hosts: list[tuple[str, int | None]] = []
+    for item in hostinfo.split(","):
+        host, port = item, ""
+        if item.startswith("["):  # an IPv6 literal
+            host, _, rest = item[1:].partition("]")
+            if rest and not rest.startswith(":"):
+                raise ValueError(f"bad host {item!r} in {_mask_url(url)!r}")
+            port = rest[1:]
+        elif ":" in item:
+            host, _, port = item.rpartition(":")
+        try:
+            hosts.append((unquote(host), _port(port) if port else None))
+        except ValueError:
+            raise ValueError(f"bad port in {_mask_url(url)!r}") from None
+    return hosts
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"bad port {text!r}")
+    return int(text)
 
 
 def _mask_url(url: str) -> str:
@@ -788,8 +847,7 @@ def _target(
 ) -> DatabaseTarget:
     return DatabaseTarget(
         name=name,
-        host=parsed.host,
-        port=parsed.port,
+        hosts=parsed.hosts,
         # PgBouncer's rule: an unnamed backend database is the client-visible one.
         dbname=parsed.dbname or name,
         user=parsed.user,
@@ -798,6 +856,7 @@ def _target(
         pool=pool,
         auth_user=auth_user,
         auth_dbname=auth_dbname,
+        load_balance_hosts=parsed.load_balance_hosts,
     )
 
 

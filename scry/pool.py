@@ -338,7 +338,7 @@ class Pool(PoolCore):
                 await server.run_connect_query(self.settings.connect_query)
         except Exception as exc:  # any failure to reach or log in
             self.connecting -= 1
-            self._on_connect_failed(exc)
+            self._on_connect_failed(exc, server.address)
             return
         self.connecting -= 1
         self._connect_failures = 0
@@ -358,7 +358,7 @@ class Pool(PoolCore):
         self.breaker.login_succeeded()  # the server is back: half-open before release
         self.release(server)
 
-    def _on_connect_failed(self, exc: Exception) -> None:
+    def _on_connect_failed(self, exc: Exception, address: tuple[str, int]) -> None:
         self.last_error = exc
         self._connect_failures += 1
         if self.shares_a_limit:
@@ -368,8 +368,8 @@ class Pool(PoolCore):
             "server connection failed",
             logging.WARNING,
             pool=self.name,
-            host=self.target.host,
-            port=self.target.port,
+            host=address[0],  # (the last host tried, if there is a list)
+            port=address[1],
             error=str(exc) or type(exc).__name__,
         )
         self._resolve_welcome(exc)

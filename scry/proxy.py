@@ -24,6 +24,7 @@ from scry.auth import AuthPolicy
 from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
 from scry.health import HealthMonitor, Signal
+from scry.hosts import HostRotation
 from scry.hybrid import TransactionTracker, unfollowed
 from scry.log import event, setup_logging
 from scry.observe.pipeline import Observatory
@@ -74,6 +75,7 @@ class Proxy:
         self.observatory = Observatory(config.observability)
         self.observatory.log_queries = config.log.log_queries
         self.breakers: dict[str, CircuitBreaker] = {}
+        self.host_rotations: dict[str, HostRotation] = {}  # (scry.hosts: one per database)
         self.health: dict[str, HealthMonitor] = {}
         self.observatory.query_batch_listeners.append(self._feed_health)
         self.observatory.session_state_listeners.append(self._session_state_seen)
@@ -287,6 +289,19 @@ class Proxy:
             breaker.on_transition = self._on_breaker_transition
             self.breakers[database] = breaker
         return breaker
+
+    def host_rotation(self, target: DatabaseTarget) -> HostRotation:
+        """Where a database's next server connection starts (scry.hosts); made anew
+        when a reload changed its host list or load_balance_hosts."""
+        rotation = self.host_rotations.get(target.name)
+        if (
+            rotation is None
+            or rotation.hosts != target.hosts
+            or rotation.mode != target.load_balance_hosts
+        ):
+            rotation = HostRotation(target.hosts, target.load_balance_hosts)
+            self.host_rotations[target.name] = rotation
+        return rotation
 
     def health_for(self, database: str) -> HealthMonitor:
         monitor = self.health.get(database)
@@ -527,9 +542,8 @@ class Proxy:
 
 
 def _connection_changed(old: DatabaseTarget, new: DatabaseTarget) -> bool:
-    return (old.host, old.port, old.dbname, old.user, old.password, old.params) != (
-        new.host,
-        new.port,
+    return (old.hosts, old.dbname, old.user, old.password, old.params) != (
+        new.hosts,
         new.dbname,
         new.user,
         new.password,

@@ -130,7 +130,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_exit_timer", "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
         "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
-        "internal_error_fields", "internal_rows", "local_addr", "params", "proxy",
+        "internal_error_fields", "internal_rows", "local_addr", "address", "params", "proxy",
         "release_after_cancel", "tls", "__weakref__"
     )  # fmt: skip
 
@@ -151,6 +151,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.last_used = self.created_at
         self.close_reason = ""
         self.local_addr = ""
+        self.address = pool.target.hosts[0]  # (host, port) it connects to: connect()
         # CommandComplete tags: row counts for observability, COMMIT/ROLLBACK for hybrid.
         need_tags = pool.proxy.observatory.enabled or pool.settings.mode == "hybrid"
         want = RELAY_WANT if need_tags else RELAY_WANT[3:]
@@ -199,27 +200,56 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     # --- connecting and login ------------------------------------------------
 
     async def connect(self, timeout: float) -> None:
-        """Open the TCP/Unix connection, negotiate TLS, log in; raises on failure."""
+        """Open the TCP/Unix connection, negotiate TLS, log in; raises on failure.
+
+        With several hosts (scry.hosts), a host that cannot be reached (refused,
+        unreachable, or no answer within ``timeout``) is logged and the next one
+        is tried; a host that answers and then fails the login ends the attempt.
+        """
+        rotation = self.pool.proxy.host_rotation(self.pool.target)
+        order = rotation.order()
+        for attempt, address in enumerate(order, 1):
+            self.address = address
+            try:
+                await self._connect_to(address, timeout)
+            except BaseException as exc:
+                unreachable = isinstance(exc, (OSError, TimeoutError)) and self.transport is None
+                if not unreachable or attempt == len(order):
+                    self.close("login failed")
+                    raise  # (it answered, then failed; or no host is left)
+                event(
+                    "server host unreachable, trying the next",
+                    logging.WARNING,
+                    pool=self.pool.name,
+                    host=address[0],
+                    port=address[1],
+                    error=str(exc) or type(exc).__name__,
+                )
+                continue
+            rotation.connected(address)
+            return
+
+    async def _connect_to(self, address: tuple[str, int], timeout: float) -> None:
         loop = asyncio.get_running_loop()
-        target = self.pool.target
+        host, port = address
         self._login_waiter = loop.create_future()
         tls = self.pool.proxy.server_tls
-        unix = target.host.startswith("/")
+        unix = host.startswith("/")
+        self._tls_answer = None
         if tls.context is not None and not unix:
             self._tls_answer = loop.create_future()
 
         async def _open() -> None:
             if unix:
-                path = f"{target.host}/.s.PGSQL.{target.port}"
-                await loop.create_unix_connection(lambda: self, path)
+                await loop.create_unix_connection(lambda: self, f"{host}/.s.PGSQL.{port}")
             else:
-                await loop.create_connection(lambda: self, target.host, target.port)
+                await loop.create_connection(lambda: self, host, port)
             if self._tls_answer is not None:
                 answer = await self._tls_answer
                 if answer == b"S":
                     assert tls.context is not None and self.transport is not None
                     self.transport = await loop.start_tls(  # type: ignore[assignment]
-                        self.transport, self, tls.context, server_hostname=target.host
+                        self.transport, self, tls.context, server_hostname=host
                     )
                     self.tls = True
                 elif tls.required:
@@ -233,16 +263,15 @@ class ServerConnection(ServerCore, asyncio.Protocol):
             assert self._login_waiter is not None
             await self._login_waiter
 
-        try:
-            await asyncio.wait_for(_open(), timeout or None)
-        except BaseException:
-            self.close("login failed")
-            raise
+        await asyncio.wait_for(_open(), timeout or None)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("sockname")
         self.local_addr = f"{sock[0]}:{sock[1]}" if isinstance(sock, tuple) else str(sock)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):  # TCP: the very address (a name may resolve to several)
+            self.address = (peer[0], peer[1])  # (where its CancelRequests go too)
         if isinstance(sock, tuple):  # TCP: keepalive and friends (scry.tcp_options)
             set_tcp_options(transport.get_extra_info("socket"), self.pool.proxy.config, fresh=True)
         self.state = LOGIN
@@ -854,7 +883,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
 
     async def _cancel(self) -> None:
         try:
-            await send_cancel_request(self.pool.target, self.backend_pid, self.backend_secret)
+            await send_cancel_request(self.address, self.backend_pid, self.backend_secret)
         finally:
             self.cancels_pending -= 1
             if not self.cancels_pending and self.release_after_cancel:
@@ -878,17 +907,15 @@ def settings_sql(applied: dict[str, str], wanted: dict[str, str]) -> str:
     return ";".join(parts)
 
 
-async def send_cancel_request(target, pid: int, secret: int) -> None:  # type: ignore[no-untyped-def]
-    """Open a fresh connection to the backend's server and send a CancelRequest."""
+async def send_cancel_request(address: tuple[str, int], pid: int, secret: int) -> None:
+    """Open a fresh connection to the backend's server (the host its connection
+    went to) and send a CancelRequest."""
+    host, port = address
     try:
-        if target.host.startswith("/"):
-            reader, writer = await asyncio.open_unix_connection(
-                f"{target.host}/.s.PGSQL.{target.port}"
-            )
+        if host.startswith("/"):
+            reader, writer = await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
         else:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(target.host, target.port), 5
-            )
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
         writer.write(cancel_request(pid, secret))
         await writer.drain()
         # PostgreSQL closes the connection once it has signalled the backend.

@@ -257,6 +257,7 @@ def server_info(server: ServerConnection, clock: Clock) -> s.ServerInfo:
         client_id=client.id if client is not None else None,
         backend_pid=server.backend_pid,
         local_addr=server.local_addr,
+        addr=_host_port(*server.address),
         created_at=round(clock.wall_of_mono(server.created_at), 3),
         age_s=round(clock.ago_mono(server.created_at), 3),
         idle_s=round(clock.ago_mono(server.last_used), 3) if idle else None,
@@ -265,6 +266,12 @@ def server_info(server: ServerConnection, clock: Clock) -> s.ServerInfo:
         pinned=bool(client is not None and client.tracker is not None and client.tracker.pinned),
         retire=server.retire,
     )
+
+
+def _host_port(host: str, port: int) -> str:
+    if host.startswith("/"):
+        return host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def servers(proxy: Proxy, limit: int, offset: int) -> s.ServerList:

@@ -500,7 +500,6 @@ _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
 _DB_UNSUPPORTED = {
     "auth_query": "scry has one auth_query, in [pgbouncer]",
-    "load_balance_hosts": "one host per database",
     "target_session_attrs": "servers are not checked for read-only/standby",
     "server_lifetime": "server_lifetime is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
@@ -508,7 +507,7 @@ _DB_UNSUPPORTED = {
 _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_pool_size",
              "reserve_pool", "reserve_pool_size", "pool_mode", "max_db_connections",
              "max_db_client_connections", "connect_query", "auth_user", "auth_dbname",
-             *_DB_SETTINGS, *_DB_UNSUPPORTED}  # fmt: skip
+             "load_balance_hosts", *_DB_SETTINGS, *_DB_UNSUPPORTED}  # fmt: skip
 _USER_UNSUPPORTED = {
     "query_timeout": "query_timeout is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
@@ -621,6 +620,8 @@ def _db_url(params: Mapping[str, str], name: str | None, socket_dir: str) -> str
     dbname = params.get("dbname") or name or ""
     host = params.get("host") or socket_dir or "/tmp"
     query = {"host": host, "port": params.get("port") or "5432"}
+    if params.get("load_balance_hosts"):  # (with a host list: scry.hosts)
+        query["load_balance_hosts"] = params["load_balance_hosts"]
     for key, setting in _DB_SETTINGS.items():
         if key in params:
             query[setting] = params[key]
@@ -654,10 +655,11 @@ def _databases(builder: _Builder) -> None:
                 raise IniError(f"{entry.where}: unrecognized connection parameter: {key}")
             if key in _DB_UNSUPPORTED and value not in ("", "0", "-1"):
                 builder.unsupported(f"[databases] {key}", _DB_UNSUPPORTED[key])
-        host = params.get("host", "")
-        if "," in host:
-            params["host"] = host.split(",")[0].strip()
-            builder.differs(f"differs: [databases] {name}: host list: scry uses {params['host']}")
+        balance = params.get("load_balance_hosts", "")
+        if balance and balance not in ("round-robin", "disable"):
+            raise IniError(
+                f"{entry.where}: load_balance_hosts = {balance}: expected round-robin or disable"
+            )
         if "password" in params and not params.get("user"):
             builder.differs(f"differs: [databases] {name}: password without user is ignored")
             params.pop("password")

@@ -100,5 +100,6 @@ def free_idle_autodbs(proxy: Proxy, now: float) -> None:
                 pool.stale = True  # (a login plan that still names it goes the long way)
                 pool.close_all("autodb_idle_timeout")
             proxy.breakers.pop(database, None)
+            proxy.host_rotations.pop(database, None)
             proxy.health.pop(database, None)
             event("autodb freed", database=database, idle=round(now - seen))

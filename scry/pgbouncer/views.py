@@ -87,7 +87,7 @@ def show_pools(console: AdminConsole) -> bytes:
             pool.target.name, pool.server_user, len(mine) - waiting, waiting, cancels, 0,
             counts["active"], cancels, counts["being_canceled"], counts["idle"], counts["used"],
             counts["tested"], counts["new"], wait_us // 1_000_000, wait_us % 1_000_000,
-            pool.mode, None,
+            pool.mode, pool.target.load_balance_hosts,
         ])  # fmt: skip
     sessions = len(console.state.sessions)
     rows.append([ADMIN_DB, ADMIN_DB, sessions, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
@@ -152,7 +152,8 @@ def show_databases(console: AdminConsole) -> bytes:
         rows.append([
             name, "unix" if target.host.startswith("/") else target.host, target.port,
             target.dbname, target.user, target.pool.size, target.pool.min_size,
-            target.pool.reserve_size, lifetime, mode, None, target.pool.max_db_connections,
+            target.pool.reserve_size, lifetime, mode, target.load_balance_hosts,
+            target.pool.max_db_connections,
             servers.get(name, 0), target.pool.max_db_client_connections,
             clients.get(name, 0), paused, name in console.state.disabled,
         ])  # fmt: skip
@@ -363,11 +364,12 @@ def _server_row(console: AdminConsole, server: ServerConnection, debug: bool) ->
     if debug:
         state = {"new": "sv_login"}.get(state, f"sv_{state}")
     local_addr, local_port = split_addr(server.local_addr)
+    host, port = server.address
     client = server.client
     linked = client is not None and not client.parked
     row = [
         "S", pool.server_user, target.name, "none", state,
-        "unix" if target.host.startswith("/") else target.host, target.port,
+        "unix" if host.startswith("/") else host, port,
         local_addr, local_port, stamp(now_wall - (now_mono - server.created_at)),
         stamp(now_wall - (now_mono - server.last_used)), 0, 0,
         1 if (server.retire or pool.stale) else 0, server.id,

@@ -42,6 +42,7 @@ INI = """\
 [databases]
 app = host=127.0.0.1 port={pg_port} dbname=app
 forced = host=127.0.0.1 port={pg_port} dbname=app user=app password=app_pass pool_size=3
+spread = host=127.0.0.1,localhost port={pg_port} dbname=app
 
 [pgbouncer]
 listen_addr = 127.0.0.1
@@ -253,6 +254,14 @@ def _client_script(bouncer: Bouncer) -> list[Any]:
             seen.append(("error", exc.diag.sqlstate, exc.diag.message_primary))
     with bouncer.connect(dbname="forced") as conn:
         seen.append(conn.execute("select current_user").fetchone())
+    # A host list: two servers at once, one on each host (round-robin).
+    spread = [bouncer.connect(dbname="spread") for _ in range(2)]
+    for conn in spread:
+        conn.execute("begin")
+        seen.append(conn.execute("select current_database()").fetchone())
+    for conn in spread:
+        conn.execute("commit")
+        conn.close()
     for user, password, db in (("app", "app_pass", "nosuch"), ("app", "wrong", "app")):
         try:
             bouncer.connect(user, password, db).close()

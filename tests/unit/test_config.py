@@ -316,8 +316,7 @@ def test_targets_percent_decoding_and_defaults() -> None:
     target = cfg.targets()["my db"]
     assert target == DatabaseTarget(
         name="my db",
-        host="db.example.com",
-        port=5432,
+        hosts=(("db.example.com", 5432),),
         dbname="my db",
         user="al@ice",
         password="p@ss:w/rd",
@@ -349,6 +348,31 @@ def test_targets_unix_socket_and_params() -> None:
 def test_targets_ipv6_host() -> None:
     target = Config(database_url="postgres://u@[::1]:5433/app").targets()["app"]
     assert (target.host, target.port) == ("::1", 5433)
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts"),
+    [
+        # libpq's syntax: a list in the authority, a port each or none...
+        ("postgres://u@h1:6001,[::1]:6002,h3/app", (("h1", 6001), ("::1", 6002), ("h3", 5432))),
+        # ... or in host=, with one port for all or one each.
+        ("postgres://u@/app?host=h1,h2&port=6000", (("h1", 6000), ("h2", 6000))),
+        ("postgres://u@/app?host=h1,/run/pg&port=6000,6001", (("h1", 6000), ("/run/pg", 6001))),
+        ("postgres://u@h:6000/app?host=a,b", (("a", 6000), ("b", 6000))),
+    ],
+)
+def test_targets_host_lists(url: str, hosts: tuple[tuple[str, int], ...]) -> None:
+    target = Config(database_url=url).targets()["app"]
+    assert target.hosts == hosts
+    assert target.load_balance_hosts == "round-robin"  # PgBouncer's default
+    assert (target.host, target.port) == (",".join(h for h, _ in hosts), hosts[0][1])
+
+
+def test_load_balance_hosts_is_not_sent_to_the_server() -> None:
+    url = "postgres://u@h1,h2/app?load_balance_hosts=disable&application_name=x"
+    target = Config(database_url=url).targets()["app"]
+    assert target.load_balance_hosts == "disable"
+    assert target.params == {"application_name": "x"}
 
 
 def test_databases_map_with_pool_override(tmp_path: Path) -> None:
@@ -391,7 +415,9 @@ databases:
     [
         ("mysql://u@h/db", "expected a postgres:// or postgresql:// URL"),
         ("postgres://u@h:notaport/db", "bad port"),
-        ("postgres://u@h1,h2/db", "several hosts"),
+        ("postgres://u@h1:1,h2:2/db?port=1,2,3", "3 ports for 2 hosts"),
+        ("postgres://u@h1:1,h2:x/db", "bad port"),
+        ("postgres://u@h1,h2/db?load_balance_hosts=fastest", "load_balance_hosts='fastest'"),
     ],
 )
 def test_bad_database_url_names_key(tmp_path: Path, url: str, expected: str) -> None:

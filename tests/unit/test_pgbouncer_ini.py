@@ -309,6 +309,25 @@ def test_auth_user_query_and_dbname_map_to_auth(tmp_path: Path) -> None:
     assert (autodb.auth_user, autodb.auth_dbname) == ("lookup", "main")
 
 
+def test_host_lists_and_load_balance_hosts_are_taken(tmp_path: Path) -> None:
+    path = tmp_path / "hosts.ini"
+    path.write_text(
+        "[databases]\nspread = host=10.0.0.1,10.0.0.2 port=6000\n"
+        "failover = host=10.0.0.1,10.0.0.2 load_balance_hosts=disable\n"
+        "[pgbouncer]\nlisten_addr = 127.0.0.1\n"
+    )
+    config, warnings = load_pgbouncer_config(path, env={})
+    spread, failover = config.targets()["spread"], config.targets()["failover"]
+    assert spread.hosts == (("10.0.0.1", 6000), ("10.0.0.2", 6000))
+    assert spread.load_balance_hosts == "round-robin"
+    assert failover.hosts == (("10.0.0.1", 5432), ("10.0.0.2", 5432))
+    assert failover.load_balance_hosts == "disable"
+    assert not any("host" in w for w in warnings), warnings
+    path.write_text("[databases]\ndb = host=a,b load_balance_hosts=random\n")
+    with pytest.raises(IniError, match="hosts.ini:2: load_balance_hosts = random: expected"):
+        load_pgbouncer_config(path, env={})
+
+
 def test_connection_limits_become_pool_settings(tmp_path: Path) -> None:
     path = tmp_path / "limits.ini"
     path.write_text(

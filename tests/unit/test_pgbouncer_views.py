@@ -70,7 +70,8 @@ def server(ident: str, pool: Any, **state: Any) -> Any:
     fields = {
         "id": ident, "pool": pool, "state": "idle", "client": None, "release_after_cancel": False,
         "cancels_pending": 0, "last_used": 99.0, "created_at": 1.0, "retire": False,
-        "local_addr": "127.0.0.1:5000", "backend_pid": 4242, "tls": False,
+        "local_addr": "127.0.0.1:5000", "address": ("127.0.0.1", 5432), "backend_pid": 4242,
+        "tls": False,
         "statements": SimpleNamespace(names={}), "transport": FakeTransport(),
     }  # fmt: skip
     fields.update(state)
@@ -78,7 +79,10 @@ def server(ident: str, pool: Any, **state: Any) -> Any:
 
 
 def make_pool(proxy: FakeProxy) -> Any:
-    target = SimpleNamespace(name="app", host="127.0.0.1", port=5432, dbname="app", user=None)
+    target = SimpleNamespace(
+        name="app", host="127.0.0.1", port=5432, dbname="app", user=None,
+        load_balance_hosts="round-robin",
+    )  # fmt: skip
     pool = SimpleNamespace(
         target=target, server_user="app", mode="transaction", connecting=1, stale=False,
         stats=PoolStats(), total_wait_us=0, oldest_wait=lambda: 1.5, servers=[],
