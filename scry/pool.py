@@ -271,6 +271,11 @@ class Pool(PoolCore):
     # --- opening servers -----------------------------------------------------------
 
     def _open_for_waiters(self) -> None:
+        if self.stale:
+            # Its servers close as they come back, so one opened for a waiter
+            # would never serve it: the waiters go where the new config says.
+            self._hand_over_waiters()
+            return
         reserve = self.settings.reserve_size
         if self.paused or (not reserve and self.full):
             return  # (a full pool with no reserve has nothing to open)
@@ -290,6 +295,23 @@ class Pool(PoolCore):
             self._spawn()
         if reserve and want < len(waiters) and self._reserve_timer is None:
             self._arm_reserve_timer(overdue)
+
+    def _hand_over_waiters(self) -> None:
+        """A reload changed this pool's database (or removed it): each queued
+        client waits at the pool the new config gives it instead, or fails."""
+        waiters, self.waiters = self.waiters, deque()
+        for client in waiters:
+            successor = self.proxy.pool_after_reload(self, client.user)
+            if successor is None:
+                client.fail_waiting(
+                    CONNECTION_FAILURE,
+                    f'database "{self.target.name}" changed on reload and this login '
+                    "cannot be carried over: reconnect",
+                )
+            else:
+                client.pool = successor
+                client.stats = successor.stats
+                successor.wait(client)
 
     def _overdue_waiters(self) -> int:
         """How many waiters (the queue is FIFO: the first ones) passed reserve_pool_timeout."""

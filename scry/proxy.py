@@ -507,6 +507,18 @@ class Proxy:
             self.pools[key] = pool
         return pool
 
+    def pool_after_reload(self, stale: Pool, client_user: str) -> Pool | None:
+        """Where a client of ``stale`` (a pool whose database a reload changed)
+        gets its servers now; None if the database is gone, or if the client's
+        own password would be needed and was never kept (it logged in to a
+        forced user's pool)."""
+        target = self.targets.get(stale.target.name)
+        if target is None or (not target.user and stale.target.user):
+            return None
+        # (Not forced before: the pool's password is this client's own secret.)
+        looked_up = None if stale.target.user else stale.server_password
+        return self.pool_for(target, *self.auth.server_credentials(target, client_user, looked_up))
+
     @property
     def client_count(self) -> int:
         return len(self.clients)

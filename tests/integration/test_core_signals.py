@@ -69,6 +69,38 @@ def test_sighup_adds_database_and_resizes_pool(scry_proxy, pg, wait_until) -> No
     assert proxy.returncode is None  # never restarted
 
 
+def test_sighup_moving_a_database_carries_its_clients_over(scry_proxy, pg, wait_until) -> None:
+    # A reload that changes where a database lives retires the old pool; a
+    # client logged in before it gets its next server from the new one. (It
+    # used to wait forever while the old pool opened and closed servers.)
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 2}})
+    with connect(proxy) as before, connect(proxy, autocommit=False) as busy:
+        assert before.execute("select 1").fetchone() == (1,)
+        assert busy.execute("select 1").fetchone() == (1,)  # (holds a server of the old pool)
+        proxy.update_config({"database_url": pg.url(application_name="moved")})
+        proxy.send_signal(signal.SIGHUP)
+        wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+        row = before.execute("select current_setting('application_name')").fetchone()
+        assert row == ("moved",)
+        busy.commit()  # (its old server closes on release)
+        assert busy.execute("select 2").fetchone() == (2,)
+    opened = proxy.log_text().count("server connected")
+    assert opened <= 4, f"{opened} servers opened for two clients"
+
+
+def test_sighup_removing_a_database_fails_its_waiting_clients(scry_proxy, pg, wait_until) -> None:
+    proxy = scry_proxy({"databases": {"other": {"database_url": pg.url()}}})
+    with connect(proxy, dbname="other") as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+        proxy.update_config({"databases": None})
+        proxy.send_signal(signal.SIGHUP)
+        wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+        with pytest.raises(psycopg.OperationalError, match='database "other" changed on reload'):
+            conn.execute("select 2")
+    with connect(proxy) as conn:  # (the other database carries on)
+        assert conn.execute("select 3").fetchone() == (3,)
+
+
 def test_sighup_with_broken_config_keeps_running(scry_proxy, wait_until) -> None:
     proxy = scry_proxy()
     with connect(proxy) as conn:
