@@ -9,6 +9,7 @@ free port nobody listens on is a host that is down from the start.
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -172,6 +173,23 @@ def test_disable_stays_on_a_host_until_it_fails(pg, scry_proxy, hops) -> None:
     assert first.accepted == accepted
     tries = unreachable_tries(proxy)
     assert tries and all(f"port={first.port}" in line for line in tries)
+
+
+def test_a_reload_that_changes_the_host_list_moves_the_servers(pg, scry_proxy, hops) -> None:
+    first, second = hops
+    proxy, base = start_admin_proxy(
+        scry_proxy, database_url=url(first.port), pool={"mode": "transaction", "size": 2}
+    )
+    with psycopg.connect(**proxy.conninfo(), autocommit=True) as idle_after:
+        assert idle_after.execute("select 1").fetchone() == (1,)  # (a server stays idle)
+        assert servers_taken(proxy, base, 2)[f"127.0.0.1:{first.port}"] == 2
+        new_list = url(second.port, first.port, query="?load_balance_hosts=disable")
+        proxy.update_config({"database_url": new_list})
+        proxy.send_signal(signal.SIGHUP)
+        wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+        # The servers of the old list are retired; new ones start at the new list's head.
+        assert servers_taken(proxy, base, 2) == {f"127.0.0.1:{second.port}": 2}
+        assert idle_after.execute("select 2").fetchone() == (2,)
 
 
 def test_a_cancel_goes_to_the_host_its_server_is_on(pg, scry_proxy, hops) -> None:
