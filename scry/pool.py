@@ -626,6 +626,7 @@ class Pool(PoolCore):
         missing = keep - len(self.servers) - self.connecting
         if (
             missing > 0
+            and not self.stale  # (they would close at once; the pool replacing it keeps it)
             and self._retry_handle is None
             and not self.proxy.draining
             and not self.paused

@@ -88,6 +88,23 @@ def test_sighup_moving_a_database_carries_its_clients_over(scry_proxy, pg, wait_
     assert opened <= 4, f"{opened} servers opened for two clients"
 
 
+def test_sighup_moving_a_database_stops_its_old_pools_min_size(scry_proxy, pg, wait_until) -> None:
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 2, "min_size": 2}})
+    with connect(proxy) as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+    wait_until(lambda: proxy.log_text().count("server connected") >= 2, 5, what="min_size")
+    proxy.update_config({"database_url": pg.url(application_name="moved")})
+    proxy.send_signal(signal.SIGHUP)
+    wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+    # No event tells that nothing happens: watch three janitor passes (1 s
+    # apart). The old pool used to open min_size servers at each, which its
+    # staleness closed at once.
+    time.sleep(3.5)
+    assert proxy.log_text().count("server connected") == 2
+    with connect(proxy) as conn:  # (the new pool keeps min_size from its first login)
+        assert conn.execute("select 2").fetchone() == (2,)
+
+
 def test_sighup_removing_a_database_fails_its_waiting_clients(scry_proxy, pg, wait_until) -> None:
     proxy = scry_proxy({"databases": {"other": {"database_url": pg.url()}}})
     with connect(proxy, dbname="other") as conn:
