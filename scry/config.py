@@ -517,6 +517,11 @@ def _read_secret_file(path: str, key: str) -> str:
 #: libpq's ``load_balance_hosts``; see scry.hosts).
 LoadBalanceHosts = Literal["round-robin", "disable", "random"]
 LOAD_BALANCE_HOSTS: tuple[str, ...] = typing.get_args(LoadBalanceHosts)
+#: Which kind of session a server must have (libpq's ``target_session_attrs``).
+TargetSessionAttrs = Literal[
+    "any", "read-write", "read-only", "primary", "standby", "prefer-standby"
+]
+TARGET_SESSION_ATTRS: tuple[str, ...] = typing.get_args(TargetSessionAttrs)
 
 
 @dataclass(frozen=True)
@@ -537,6 +542,7 @@ class DatabaseTarget:
     auth_user: str | None = None  # (this database's, over auth.auth_user)
     auth_dbname: str | None = None
     load_balance_hosts: LoadBalanceHosts = "round-robin"
+    target_session_attrs: TargetSessionAttrs = "any"
 
     @property
     def host(self) -> str:
@@ -566,6 +572,7 @@ class _ParsedUrl:
     password: str | None
     params: dict[str, str]
     load_balance_hosts: LoadBalanceHosts
+    target_session_attrs: TargetSessionAttrs
 
 
 def _parse_database_url(url: str) -> _ParsedUrl:
@@ -602,11 +609,8 @@ def _parse_database_url(url: str) -> _ParsedUrl:
         raise ValueError(
             f"{len(ports)} ports for {len(hosts)} hosts (give one for all, or one each)"
         )
-    balance = params.pop("load_balance_hosts", "round-robin")
-    if balance not in LOAD_BALANCE_HOSTS:
-        raise ValueError(
-            f"load_balance_hosts={balance!r}: expected one of {', '.join(LOAD_BALANCE_HOSTS)}"
-        )
+    balance = _choice(params, "load_balance_hosts", LOAD_BALANCE_HOSTS)
+    attrs = _choice(params, "target_session_attrs", TARGET_SESSION_ATTRS)
     dbname = params.pop("dbname", None) or unquote(parts.path.lstrip("/")) or user
     return _ParsedUrl(
         hosts=tuple(
@@ -618,7 +622,17 @@ def _parse_database_url(url: str) -> _ParsedUrl:
         password=password,
         params=params,
         load_balance_hosts=typing.cast(LoadBalanceHosts, balance),
+        target_session_attrs=typing.cast(TargetSessionAttrs, attrs),
     )
+
+
+def _choice(params: dict[str, str], name: str, allowed: tuple[str, ...]) -> str:
+    """Pop a URL parameter scry reads itself (never sent to the server); the first
+    allowed value is the default."""
+    value = params.pop(name, allowed[0])
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
 
 
 def _authority_hosts(hostinfo: str, url: str) -> list[tuple[str, int | None]]:
@@ -857,6 +871,7 @@ def _target(
         auth_user=auth_user,
         auth_dbname=auth_dbname,
         load_balance_hosts=parsed.load_balance_hosts,
+        target_session_attrs=parsed.target_session_attrs,
     )
 
 

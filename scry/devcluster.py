@@ -64,6 +64,7 @@ _HBA_CONF = """\
 # Written by scry.devcluster; loopback only.
 # TYPE   DATABASE USER        ADDRESS         METHOD
 local    all      all                         trust
+local    replication postgres                 trust
 host     all      postgres    127.0.0.1/32    trust
 host     all      trust_user  127.0.0.1/32    trust
 host     all      md5_user    127.0.0.1/32    md5
@@ -443,6 +444,34 @@ class DevCluster:
         if self._own_base_dir and not self._removed and self.base_dir.exists():
             shutil.rmtree(self.base_dir, ignore_errors=True)
             self._removed = True
+
+    def standby(self) -> DevCluster:
+        """A hot standby of this running cluster, streaming from it and started
+        on a port of its own (for tests of primary/standby choices); stop() it
+        before this one."""
+        replica = DevCluster(ssl=False, prefix="scry-pg-standby-")
+        os.chmod(replica.base_dir, 0o755)
+        self._chown(replica.base_dir)
+        replica.socket_dir.mkdir(mode=0o755)
+        self._chown(replica.socket_dir)
+        self._run_pg(
+            [
+                str(self.bindir / "pg_basebackup"), "-D", str(replica.data_dir), "-R",
+                "-X", "stream", "-h", str(self.socket_dir), "-p", str(self.port),
+                "-U", self.superuser, "--no-sync", "--checkpoint=fast",
+            ],
+            error="pg_basebackup failed",
+        )  # fmt: skip
+        replica._set_conf("port", str(replica.port))
+        replica._set_conf("unix_socket_directories", _conf_quote(str(replica.socket_dir)))
+        replica._set_conf("ssl", "off")
+        replica._initialized = True
+        try:
+            replica._start_server()
+        except BaseException:
+            replica.stop()
+            raise
+        return replica
 
     def restart(self, mode: str = "fast") -> None:
         """Restart the server in place (data directory kept)."""

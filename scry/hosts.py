@@ -12,6 +12,13 @@ the start:
   so all connections stay on one host until it fails, then move on for good;
 - ``random`` (libpq's): the whole order shuffled for each connection.
 
+``target_session_attrs`` (libpq's) then skips hosts whose session is not
+the kind wanted (``session_matches``): ``primary`` or ``standby`` (hot
+standby or not), ``read-write`` or ``read-only`` (also by
+``default_transaction_read_only``), ``prefer-standby`` (a standby if any
+host is one, else any host). PostgreSQL 14+ reports both settings at login,
+so the check costs no query.
+
 One rotation per database and worker (``Proxy.host_rotation``), like
 PgBouncer's per-database host index. Pure: no I/O.
 """
@@ -52,3 +59,25 @@ class HostRotation:
         """A connection to ``address`` succeeded (``disable`` stays on it)."""
         if address in self.hosts:
             self._last_good = self.hosts.index(address)
+
+
+def session_passes(wanted: str) -> list[str]:
+    """The kinds of session to look for, one walk over the hosts each."""
+    return ["standby", "any"] if wanted == "prefer-standby" else [wanted]
+
+
+def session_matches(wanted: str, params: dict[str, str]) -> bool:
+    """Whether a logged-in server's session (its ParameterStatus values) is
+    what ``wanted`` (one of ``session_passes``) asks for. A server that does
+    not report ``in_hot_standby`` (before PostgreSQL 14) counts as a primary."""
+    standby = params.get("in_hot_standby") == "on"
+    if wanted == "primary":
+        return not standby
+    if wanted == "standby":
+        return standby
+    read_only = standby or params.get("default_transaction_read_only") == "on"
+    if wanted == "read-write":
+        return not read_only
+    if wanted == "read-only":
+        return read_only
+    return True  # any

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from scry import connection_limits
 from scry.config import DatabaseTarget, PoolConfig
+from scry.hosts import session_matches, session_passes
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.errors import CONNECTION_FAILURE
@@ -353,14 +354,13 @@ class Pool(PoolCore):
         asyncio.get_running_loop().create_task(self._connect_one())
 
     async def _connect_one(self) -> None:
-        server = ServerConnection(self)
         try:
-            await server.connect(self.proxy.config.timeouts.server_connect_timeout)
+            server = await self._open_server()
             if self.settings.connect_query:
                 await server.run_connect_query(self.settings.connect_query)
         except Exception as exc:  # any failure to reach or log in
             self.connecting -= 1
-            self._on_connect_failed(exc, server.address)
+            self._on_connect_failed(exc)
             return
         self.connecting -= 1
         self._connect_failures = 0
@@ -380,7 +380,47 @@ class Pool(PoolCore):
         self.breaker.login_succeeded()  # the server is back: half-open before release
         self.release(server)
 
-    def _on_connect_failed(self, exc: Exception, address: tuple[str, int]) -> None:
+    async def _open_server(self) -> ServerConnection:
+        """A server logged in to the first of the database's hosts, in
+        load_balance_hosts order, that can be reached and whose session is
+        what target_session_attrs asks for (scry.hosts). A host that answers
+        and then fails the login ends the attempt, as in libpq."""
+        target = self.target
+        rotation = self.proxy.host_rotation(target)
+        order = rotation.order()
+        timeout = self.proxy.config.timeouts.server_connect_timeout
+        down: set[tuple[str, int]] = set()
+        unreachable: Exception | None = None
+        for wanted in session_passes(target.target_session_attrs):
+            for address in order:
+                if address in down:
+                    continue
+                server = ServerConnection(self, address)
+                try:
+                    await server.connect(timeout)
+                except (OSError, TimeoutError) as exc:
+                    if server.transport is not None or len(order) == 1:
+                        raise
+                    down.add(address)
+                    unreachable = exc
+                    event("server host unreachable", logging.WARNING,
+                          pool=self.name, host=address[0], port=address[1],
+                          error=str(exc) or type(exc).__name__)  # fmt: skip
+                    continue
+                if not session_matches(wanted, server.params):
+                    server.close(f"target_session_attrs={target.target_session_attrs}")
+                    continue
+                rotation.connected(address)
+                return server
+        if len(down) == len(order) and unreachable is not None:
+            raise unreachable
+        raise ServerLoginError({
+            "C": CONNECTION_FAILURE,
+            "M": f"no server of {target.host} has a session that target_session_attrs="
+            f"{target.target_session_attrs} accepts",
+        })  # fmt: skip
+
+    def _on_connect_failed(self, exc: Exception) -> None:
         self.last_error = exc
         self._connect_failures += 1
         if self.shares_a_limit:
@@ -390,8 +430,8 @@ class Pool(PoolCore):
             "server connection failed",
             logging.WARNING,
             pool=self.name,
-            host=address[0],  # (the last host tried, if there is a list)
-            port=address[1],
+            host=self.target.host,  # (each host of a list is logged as it fails)
+            port=self.target.port,
             error=str(exc) or type(exc).__name__,
         )
         self._resolve_welcome(exc)

@@ -554,13 +554,12 @@ class Proxy:
 
 
 def _connection_changed(old: DatabaseTarget, new: DatabaseTarget) -> bool:
-    return (old.hosts, old.dbname, old.user, old.password, old.params) != (
-        new.hosts,
-        new.dbname,
-        new.user,
-        new.password,
-        new.params,
-    )
+    """Whether a reload changed where or how a database's servers log in."""
+
+    def login(t: DatabaseTarget) -> tuple[object, ...]:
+        return (t.hosts, t.target_session_attrs, t.dbname, t.user, t.password, t.params)
+
+    return login(old) != login(new)
 
 
 def freeze_startup_heap() -> None:

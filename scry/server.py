@@ -134,7 +134,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         "release_after_cancel", "tls", "__weakref__"
     )  # fmt: skip
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, address: tuple[str, int] | None = None) -> None:
         self.id = f"s{next(_ids)}"
         self.pool = pool
         self.state = CONNECTING
@@ -151,7 +151,8 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.last_used = self.created_at
         self.close_reason = ""
         self.local_addr = ""
-        self.address = pool.target.hosts[0]  # (host, port) it connects to: connect()
+        # (host, port) to connect to: one of the target's (Pool._open_server).
+        self.address = address or pool.target.hosts[0]
         # CommandComplete tags: row counts for observability, COMMIT/ROLLBACK for hybrid.
         need_tags = pool.proxy.observatory.enabled or pool.settings.mode == "hybrid"
         want = RELAY_WANT if need_tags else RELAY_WANT[3:]
@@ -200,42 +201,13 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     # --- connecting and login ------------------------------------------------
 
     async def connect(self, timeout: float) -> None:
-        """Open the TCP/Unix connection, negotiate TLS, log in; raises on failure.
-
-        With several hosts (scry.hosts), a host that cannot be reached (refused,
-        unreachable, or no answer within ``timeout``) is logged and the next one
-        is tried; a host that answers and then fails the login ends the attempt.
-        """
-        rotation = self.pool.proxy.host_rotation(self.pool.target)
-        order = rotation.order()
-        for attempt, address in enumerate(order, 1):
-            self.address = address
-            try:
-                await self._connect_to(address, timeout)
-            except BaseException as exc:
-                unreachable = isinstance(exc, (OSError, TimeoutError)) and self.transport is None
-                if not unreachable or attempt == len(order):
-                    self.close("login failed")
-                    raise  # (it answered, then failed; or no host is left)
-                event(
-                    "server host unreachable, trying the next",
-                    logging.WARNING,
-                    pool=self.pool.name,
-                    host=address[0],
-                    port=address[1],
-                    error=str(exc) or type(exc).__name__,
-                )
-                continue
-            rotation.connected(address)
-            return
-
-    async def _connect_to(self, address: tuple[str, int], timeout: float) -> None:
+        """Open the TCP/Unix connection to ``address``, negotiate TLS, log in;
+        raises on failure (``transport`` is still None if the host was not reached)."""
         loop = asyncio.get_running_loop()
-        host, port = address
+        host, port = self.address
         self._login_waiter = loop.create_future()
         tls = self.pool.proxy.server_tls
         unix = host.startswith("/")
-        self._tls_answer = None
         if tls.context is not None and not unix:
             self._tls_answer = loop.create_future()
 
@@ -263,7 +235,11 @@ class ServerConnection(ServerCore, asyncio.Protocol):
             assert self._login_waiter is not None
             await self._login_waiter
 
-        await asyncio.wait_for(_open(), timeout or None)
+        try:
+            await asyncio.wait_for(_open(), timeout or None)
+        except BaseException:
+            self.close("login failed")
+            raise
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]

@@ -500,14 +500,14 @@ _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
 _DB_UNSUPPORTED = {
     "auth_query": "scry has one auth_query, in [pgbouncer]",
-    "target_session_attrs": "servers are not checked for read-only/standby",
     "server_lifetime": "server_lifetime is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
 }
 _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_pool_size",
              "reserve_pool", "reserve_pool_size", "pool_mode", "max_db_connections",
              "max_db_client_connections", "connect_query", "auth_user", "auth_dbname",
-             "load_balance_hosts", *_DB_SETTINGS, *_DB_UNSUPPORTED}  # fmt: skip
+             "load_balance_hosts", "target_session_attrs", *_DB_SETTINGS,
+             *_DB_UNSUPPORTED}  # fmt: skip
 _USER_UNSUPPORTED = {
     "query_timeout": "query_timeout is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
@@ -620,8 +620,9 @@ def _db_url(params: Mapping[str, str], name: str | None, socket_dir: str) -> str
     dbname = params.get("dbname") or name or ""
     host = params.get("host") or socket_dir or "/tmp"
     query = {"host": host, "port": params.get("port") or "5432"}
-    if params.get("load_balance_hosts"):  # (with a host list: scry.hosts)
-        query["load_balance_hosts"] = params["load_balance_hosts"]
+    for key in ("load_balance_hosts", "target_session_attrs"):  # (scry.hosts)
+        if params.get(key):
+            query[key] = params[key]
     for key, setting in _DB_SETTINGS.items():
         if key in params:
             query[setting] = params[key]

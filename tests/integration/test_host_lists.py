@@ -19,6 +19,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
+from scry.devcluster import DevCluster
 from tests.integration.conftest import free_port, wait_until
 from tests.integration.test_admin_api import get, start_admin_proxy
 from tests.integration.test_wire_cancel import Sleeper, running
@@ -205,3 +206,54 @@ def test_a_cancel_goes_to_the_host_its_server_is_on(pg, scry_proxy, hops) -> Non
         assert hops[0].accepted == carried + 1  # (the CancelRequest's own connection)
     finally:
         sleeper.close()
+
+
+# --- target_session_attrs: a real hot standby of the session's cluster --------------------
+
+
+@pytest.fixture(scope="module")
+def standby(pg) -> Iterator[DevCluster]:
+    replica = pg.standby()
+    yield replica
+    replica.stop()
+
+
+@pytest.mark.parametrize(
+    ("attrs", "taken"),
+    [
+        ("primary", ["primary", "primary"]),
+        ("read-write", ["primary", "primary"]),
+        ("standby", ["standby", "standby"]),
+        ("read-only", ["standby", "standby"]),
+        ("prefer-standby", ["standby", "standby"]),
+        ("any", ["primary", "standby"]),  # (round-robin over both)
+    ],
+)
+def test_target_session_attrs_chooses_the_kind_of_server(
+    pg, standby, scry_proxy, attrs: str, taken: list[str]
+) -> None:
+    ports = {"primary": pg.port, "standby": standby.port}
+    proxy, base = start_admin_proxy(
+        scry_proxy,
+        database_url=url(standby.port, pg.port, query=f"?target_session_attrs={attrs}"),
+        pool={"mode": "transaction", "size": 2},
+    )
+    assert servers_taken(proxy, base, 2) == Counter(f"127.0.0.1:{ports[k]}" for k in taken)
+
+
+def test_prefer_standby_takes_a_primary_when_there_is_no_standby(pg, scry_proxy) -> None:
+    proxy, base = start_admin_proxy(
+        scry_proxy,
+        database_url=url(pg.port, query="?target_session_attrs=prefer-standby"),
+        pool={"mode": "transaction", "size": 2},
+    )
+    assert servers_taken(proxy, base, 2) == {f"127.0.0.1:{pg.port}": 2}
+
+
+def test_no_server_of_the_wanted_kind_is_a_clear_error(standby, scry_proxy) -> None:
+    proxy = scry_proxy(
+        {"database_url": url(standby.port, query="?target_session_attrs=read-write")}
+    )
+    with pytest.raises(psycopg.OperationalError, match="target_session_attrs=read-write"):
+        psycopg.connect(**proxy.conninfo())
+    assert "server closed" in proxy.log_text()  # (the standby's server, as it did not fit)

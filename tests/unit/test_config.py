@@ -368,11 +368,15 @@ def test_targets_host_lists(url: str, hosts: tuple[tuple[str, int], ...]) -> Non
     assert (target.host, target.port) == (",".join(h for h, _ in hosts), hosts[0][1])
 
 
-def test_load_balance_hosts_is_not_sent_to_the_server() -> None:
-    url = "postgres://u@h1,h2/app?load_balance_hosts=disable&application_name=x"
+def test_host_choice_parameters_are_not_sent_to_the_server() -> None:
+    url = (
+        "postgres://u@h1,h2/app?load_balance_hosts=disable&application_name=x"
+        "&target_session_attrs=read-write"
+    )
     target = Config(database_url=url).targets()["app"]
-    assert target.load_balance_hosts == "disable"
+    assert (target.load_balance_hosts, target.target_session_attrs) == ("disable", "read-write")
     assert target.params == {"application_name": "x"}
+    assert Config(database_url="postgres://u@h/app").targets()["app"].target_session_attrs == "any"
 
 
 def test_databases_map_with_pool_override(tmp_path: Path) -> None:
@@ -418,6 +422,7 @@ databases:
         ("postgres://u@h1:1,h2:2/db?port=1,2,3", "3 ports for 2 hosts"),
         ("postgres://u@h1:1,h2:x/db", "bad port"),
         ("postgres://u@h1,h2/db?load_balance_hosts=fastest", "load_balance_hosts='fastest'"),
+        ("postgres://u@h1,h2/db?target_session_attrs=master", "target_session_attrs='master'"),
     ],
 )
 def test_bad_database_url_names_key(tmp_path: Path, url: str, expected: str) -> None:
