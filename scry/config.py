@@ -529,7 +529,8 @@ class DatabaseTarget:
     """A backend database as the pool sees it; ``name`` is what clients ask for.
 
     ``hosts`` holds one (host, port) or more: a list is tried in the order
-    ``load_balance_hosts`` gives (scry.hosts).
+    ``load_balance_hosts`` gives, past hosts whose session is not the kind
+    ``target_session_attrs`` wants (scry.hosts).
     """
 
     name: str

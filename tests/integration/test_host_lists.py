@@ -3,7 +3,9 @@
 The session's one PostgreSQL plays every host: directly, and through
 :class:`Hop`, a TCP forwarder on a port of its own that counts the
 connections it carries and can stop listening, like a host going down. A
-free port nobody listens on is a host that is down from the start.
+free port nobody listens on is a host that is down from the start. For
+target_session_attrs, a real hot standby of it (``DevCluster.standby``)
+plays the standby.
 """
 
 from __future__ import annotations
