@@ -116,6 +116,11 @@ SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-
 PoolMode = Literal["session", "transaction", "hybrid", "statement"]
 
 
+def join_host_port(host: str, port: int | str) -> str:
+    """``host:port``, with an IPv6 address in brackets (split_host_port's inverse)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def split_host_port(addr: str) -> tuple[str, int]:
     """Split ``"host:port"`` or ``"[v6addr]:port"`` into its parts.
 

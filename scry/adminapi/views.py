@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from admin import schemas as s
 from scry import __version__
+from scry.config import join_host_port
 from scry.observe.fingerprint import DIGITS_TO_ZERO
 
 if TYPE_CHECKING:
@@ -93,10 +94,7 @@ def status(
 
 
 def _sockname(name: Any) -> str:
-    if isinstance(name, tuple):
-        host = name[0]
-        return f"[{host}]:{name[1]}" if ":" in host else f"{host}:{name[1]}"
-    return str(name)
+    return join_host_port(name[0], name[1]) if isinstance(name, tuple) else str(name)
 
 
 def pool_info(pool: Pool) -> s.PoolInfo:
@@ -257,7 +255,7 @@ def server_info(server: ServerConnection, clock: Clock) -> s.ServerInfo:
         client_id=client.id if client is not None else None,
         backend_pid=server.backend_pid,
         local_addr=server.local_addr,
-        addr=_host_port(*server.address),
+        addr=server.address[0] if server.address[0].startswith("/") else _sockname(server.address),
         created_at=round(clock.wall_of_mono(server.created_at), 3),
         age_s=round(clock.ago_mono(server.created_at), 3),
         idle_s=round(clock.ago_mono(server.last_used), 3) if idle else None,
@@ -266,12 +264,6 @@ def server_info(server: ServerConnection, clock: Clock) -> s.ServerInfo:
         pinned=bool(client is not None and client.tracker is not None and client.tracker.pinned),
         retire=server.retire,
     )
-
-
-def _host_port(host: str, port: int) -> str:
-    if host.startswith("/"):
-        return host
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def servers(proxy: Proxy, limit: int, offset: int) -> s.ServerList:

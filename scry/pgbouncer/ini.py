@@ -43,6 +43,7 @@ from scry.config import (
     _env_overrides,
     _problems_from_validation,
     _set_path,
+    join_host_port,
 )
 
 __all__ = [
@@ -605,7 +606,7 @@ def _listen(builder: _Builder) -> None:
         if host == "*":
             host = "0.0.0.0"
             builder.differs("differs: listen_addr = * listens on all IPv4 addresses only")
-    builder.set("listen_addr", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    builder.set("listen_addr", join_host_port(host, port))
 
 
 def _db_url(params: Mapping[str, str], name: str | None, socket_dir: str) -> str:
@@ -721,7 +722,7 @@ def _peers(builder: _Builder) -> None:
             continue
         if "pool_size" in params:
             builder.unsupported("[peers] pool_size", "cancel requests to peers are not pooled")
-        peers[peer_id] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        peers[peer_id] = join_host_port(host, port)
     if peers:
         builder.data["peers"] = peers
 
