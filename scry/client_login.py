@@ -491,6 +491,9 @@ class ClientLogin:
             self.transport.write(step.reply)
         if step.done:
             self.state = LOGIN
+            auth = self._auth
+            if auth is not None and auth.client_key is not None and auth.secret is not None:
+                self.proxy.scram_keys[self.user] = (auth.secret, auth.client_key)
             self._auth = None
             pool = self.pool
             assert pool is not None

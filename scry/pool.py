@@ -21,6 +21,7 @@ from scry.config import DatabaseTarget, PoolConfig
 from scry.hosts import session_matches, session_passes
 from scry.log import event
 from scry.protocol import messages as m
+from scry.protocol.auth import secret_kind
 from scry.protocol.errors import CONNECTION_FAILURE
 from scry.protocol.prepared import ParsedStatements
 from scry.relay_core import PoolCore, PoolStats
@@ -670,9 +671,20 @@ class Pool(PoolCore):
             and self._retry_handle is None
             and not self.proxy.draining
             and not self.paused
+            and not self._awaiting_scram_key()
         ):
             for _ in range(missing):
                 self._spawn()
+
+    def _awaiting_scram_key(self) -> bool:
+        """Only a SCRAM secret is known and no client has yet proved its key
+        (SCRAM pass-through): a login now could only fail, so min_size waits."""
+        password = self.server_password
+        return (
+            password is not None
+            and secret_kind(password) == "scram"
+            and self.proxy.scram_key(self.server_user, password) is None
+        )
 
     def close_all(self, reason: str) -> None:
         for server in list(self.servers):

@@ -66,6 +66,10 @@ class Proxy:
         # StartupMessage bytes -> what logging it in worked out (ClientLogin._plan_login);
         # a reload forgets them all.
         self.login_plans: dict[bytes, LoginPlan] = {}
+        # user -> (SCRAM secret, the ClientKey a client proved against it): what
+        # logs servers in as that user when only the secret is known (SCRAM
+        # pass-through, scry.protocol.auth). One per user; never logged.
+        self.scram_keys: dict[str, tuple[str, bytes]] = {}
         self.clients: set[ClientConnection] = set()
         self.cancel_keys: dict[tuple[int, int], ClientConnection] = {}
         self.listeners: list[asyncio.Server] = []
@@ -518,6 +522,11 @@ class Proxy:
         # (Not forced before: the pool's password is this client's own secret.)
         looked_up = None if stale.target.user else stale.server_password
         return self.pool_for(target, *self.auth.server_credentials(target, client_user, looked_up))
+
+    def scram_key(self, user: str, secret: str | None) -> bytes | None:
+        """The ClientKey a client proved for ``user``'s SCRAM ``secret``, if any."""
+        known = self.scram_keys.get(user)
+        return known[1] if known is not None and known[0] == secret else None
 
     @property
     def client_count(self) -> int:

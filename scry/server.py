@@ -259,7 +259,8 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     def _send_startup(self) -> None:
         pool = self.pool
         self._reader = MessageReader(pool.max_message_size)
-        self._auth = BackendAuthExchange(pool.server_user, pool.server_password)
+        user, password = pool.server_user, pool.server_password
+        self._auth = BackendAuthExchange(user, password, pool.proxy.scram_key(user, password))
         params = {"user": pool.server_user, "database": pool.target.dbname}
         params.update(pool.startup_params)
         self.transport.write(startup_message(params))  # type: ignore[union-attr]

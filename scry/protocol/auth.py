@@ -12,6 +12,14 @@
 SCRAM is done by scramp; md5 is PostgreSQL's ``md5(md5(password || user) || salt)``.
 A stored secret may be plaintext, an md5 secret (``md5`` + 32 hex digits, as in
 PgBouncer's userlist.txt) or a SCRAM secret (``SCRAM-SHA-256$iter:salt$stored:server``).
+
+SCRAM pass-through (PgBouncer's): a SCRAM secret cannot answer a server's
+SCRAM challenge, but a client that proved its password against it has, in its
+proof, given away the ClientKey (RFC 5802: ClientProof = ClientKey XOR
+ClientSignature). With that key and the secret's ServerKey, scry can log in
+to a server that stores the same secret. scramp checks every proof and
+parses every message; it does not hand out the key or take one in place of
+a password, so those two steps are done here.
 """
 
 from __future__ import annotations
@@ -146,6 +154,9 @@ class ClientAuthExchange:
         # (``salt``: the md5 challenge already sent for this login)
         self._salt = _random_salt() if salt is None else salt
         self._scram_server: Any = None
+        #: After a SCRAM login against a SCRAM secret: the ClientKey the client
+        #: proved, which lets scry log in to servers as this user (pass-through).
+        self.client_key: bytes | None = None
 
     @property
     def secret(self) -> str | None:
@@ -224,9 +235,12 @@ class ClientAuthExchange:
                 return AuthStep(
                     reply=m.auth_sasl_continue(self._scram_server.get_server_first().encode())
                 )
-            self._scram_server.set_client_final(body.decode())
+            client_final = body.decode()
+            self._scram_server.set_client_final(client_final)
             if self._secret is None:
                 return self._failed()
+            if secret_kind(self._secret) == "scram":
+                self.client_key = _proven_client_key(self._scram_server, client_final)
             return AuthStep(
                 reply=m.auth_sasl_final(self._scram_server.get_server_final().encode()),
                 done=True,
@@ -237,17 +251,49 @@ class ClientAuthExchange:
             return AuthStep(error=(PROTOCOL_VIOLATION, "malformed SASL message"))
 
 
+def _hmac(key: bytes, text: str) -> bytes:
+    return hmac.new(key, text.encode(), hashlib.sha256).digest()
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a, "big") ^ int.from_bytes(b, "big")).to_bytes(len(a), "big")
+
+
+def _attributes(message: str) -> dict[str, str]:
+    """``c=...,r=...,p=...`` as a dict (a message scramp has already parsed)."""
+    return dict(part.split("=", 1) for part in message.split(","))
+
+
+def _proven_client_key(server: Any, client_final: str) -> bytes:
+    """The ClientKey in a client-final message scramp's ScramServer accepted:
+    ClientProof XOR HMAC(StoredKey, AuthMessage), the AuthMessage built as
+    scramp built it to check the proof."""
+    attrs = _attributes(client_final)
+    auth_message = f"{server.client_first_bare},{server.server_first},c={attrs['c']},r={attrs['r']}"
+    key = _xor(base64.b64decode(attrs["p"]), _hmac(server.stored_key, auth_message))
+    assert hashlib.sha256(key).digest() == server.stored_key  # (scramp checked just this)
+    return key
+
+
 class BackendAuthError(Exception):
     """PostgreSQL asked for something we cannot answer (e.g. no password configured)."""
 
 
 class BackendAuthExchange:
-    """Answer a backend's authentication requests with a user and password."""
+    """Answer a backend's authentication requests with a user and password.
 
-    def __init__(self, user: str, password: str | None) -> None:
+    ``password`` may be a stored secret. A SCRAM secret answers a SCRAM
+    request only with ``client_key``, the ClientKey a client proved against
+    that very secret (pass-through); an md5 secret answers an md5 request.
+    """
+
+    def __init__(self, user: str, password: str | None, client_key: bytes | None = None) -> None:
         self.user = user
         self.password = password
+        self._client_key = client_key
         self._scram: ScramClient | None = None
+        self._with_key = False  # this SCRAM login passes a client's key through
+        self._server_signature: str | None = None  # what its SASLFinal must carry
 
     def _need_password(self) -> str:
         if self.password is None:
@@ -261,6 +307,33 @@ class BackendAuthExchange:
                 "needs the password (or an md5 secret, for md5)"
             )
         return self.password
+
+    def _passing_through(self) -> bool:
+        """Whether this SCRAM login is made with a client's key (pass-through)."""
+        if self.password is None or secret_kind(self.password) != "scram":
+            return False
+        if self._client_key is None:
+            raise BackendAuthError(
+                f'only a SCRAM secret is known for user "{self.user}", and no client has '
+                "logged in with SCRAM yet to prove the key a server login needs"
+            )
+        return True
+
+    def _pass_through_final(self, scram: ScramClient) -> str:
+        """The client-final message from the client's key and the secret's
+        ServerKey, and the ServerSignature to expect back."""
+        assert self.password is not None and self._client_key is not None
+        salt, stored_key, server_key, iterations = scram_auth_info(self.password)
+        if bytes(scram.salt) != salt or int(scram.iterations) != iterations:
+            raise BackendAuthError(
+                f'the SCRAM secret known for user "{self.user}" is not the server\'s '
+                "(its salt or iteration count differs)"
+            )
+        without_proof = f"c={base64.b64encode(bytes(scram.gs2_header)).decode()},r={scram.nonce}"
+        auth_message = f"{scram.client_first_bare},{scram.server_first},{without_proof}"
+        proof = _xor(self._client_key, _hmac(stored_key, auth_message))
+        self._server_signature = base64.b64encode(_hmac(server_key, auth_message)).decode()
+        return f"{without_proof},p={base64.b64encode(proof).decode()}"
 
     def respond(self, code: int, data: bytes) -> bytes | None:
         """The reply to an Authentication request, or None when nothing is sent."""
@@ -282,15 +355,25 @@ class BackendAuthExchange:
             mechanisms = m.parse_sasl_mechanisms(data)
             if SCRAM_SHA_256 not in mechanisms:
                 raise BackendAuthError(f"server offers no supported SASL mechanism: {mechanisms}")
-            self._scram = ScramClient([SCRAM_SHA_256], self.user, self._need_password())
+            # (Passing through, scramp never sees a password: the final
+            # message is made from the key instead.)
+            self._with_key = self._passing_through()
+            password = "" if self._with_key else self._need_password()
+            self._scram = ScramClient([SCRAM_SHA_256], self.user, password)
             first = self._scram.get_client_first().encode()
             return m.sasl_initial_response(SCRAM_SHA_256, first)
         if code == m.AUTH_SASL_CONTINUE and self._scram is not None:
             self._scram.set_server_first(data.decode())
+            if self._with_key:
+                return m.sasl_response(self._pass_through_final(self._scram).encode())
             return m.sasl_response(self._scram.get_client_final().encode())
         if code == m.AUTH_SASL_FINAL and self._scram is not None:
+            expected = self._server_signature
             try:
-                self._scram.set_server_final(data.decode())
+                if expected is None:
+                    self._scram.set_server_final(data.decode())
+                elif not hmac.compare_digest(_attributes(data.decode()).get("v", ""), expected):
+                    raise ScramException("The server signature doesn't match.")
             except ScramException as exc:
                 raise BackendAuthError(f"server's SCRAM signature is invalid: {exc}") from exc
             return None

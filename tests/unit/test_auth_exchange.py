@@ -467,12 +467,91 @@ def test_backend_cleartext(kind: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["md5", "scram-sha-256", "plain"])
-def test_backend_refuses_to_log_in_with_a_scram_secret(method: str) -> None:
+def test_backend_refuses_to_log_in_with_a_scram_secret_alone(method: str) -> None:
     # A looked-up SCRAM secret cannot stand in for the password: said plainly,
     # before anything derived from it goes to the server.
     server = ClientAuthExchange(method, USER, PASSWORD)
     with pytest.raises(BackendAuthError, match='only a SCRAM secret is known for user "alice"'):
         wire(server, BackendAuthExchange(USER, SECRETS["scram"]))
+
+
+# --- SCRAM pass-through: a client's proven key logs scry in ---------------------------------
+
+
+def client_key_of(password: str, secret: str) -> bytes:
+    """RFC 5802's ClientKey for ``password`` under ``secret``'s salt and iterations."""
+    salt, _, _, iterations = scram_auth_info(secret)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    return hmac.digest(salted, b"Client Key", "sha256")
+
+
+def proven_key(secret: str, password: str = PASSWORD, client_cls: type = HandScramClient):
+    server = ClientAuthExchange("scram-sha-256", USER, secret)
+    step, _ = scram_login(server, client_cls(password))
+    return step, server.client_key
+
+
+@pytest.mark.parametrize("client_cls", SCRAM_CLIENTS)
+def test_a_scram_login_against_a_scram_secret_yields_the_client_key(client_cls: type) -> None:
+    step, key = proven_key(SCRAM_SECRET, client_cls=client_cls)
+    assert step.done and key == client_key_of(PASSWORD, SCRAM_SECRET)
+
+
+@pytest.mark.parametrize(
+    ("secret", "password"), [(SCRAM_SECRET, "wrong"), (PASSWORD, PASSWORD)], ids=["wrong", "plain"]
+)
+def test_no_key_from_a_failed_login_or_a_plaintext_secret(secret: str, password: str) -> None:
+    # (A plaintext secret logs servers in itself; a failed proof proves nothing.)
+    assert proven_key(secret, password)[1] is None
+
+
+def test_backend_passes_a_proven_key_through_to_a_server_with_the_same_secret() -> None:
+    _, key = proven_key(SCRAM_SECRET)
+    result = wire(
+        ClientAuthExchange("scram-sha-256", USER, SCRAM_SECRET),  # PostgreSQL, same pg_authid
+        BackendAuthExchange(USER, SCRAM_SECRET, key),
+    )
+    assert result == ("ok", [m.AUTH_SASL, m.AUTH_SASL_CONTINUE, m.AUTH_SASL_FINAL, m.AUTH_OK])
+
+
+def test_a_wrong_key_is_refused_by_the_server() -> None:
+    backend = BackendAuthExchange(USER, SCRAM_SECRET, client_key_of("wrong", SCRAM_SECRET))
+    assert wire(ClientAuthExchange("scram-sha-256", USER, SCRAM_SECRET), backend) == (
+        "error",
+        "28P01",
+    )
+
+
+def test_a_server_with_another_secret_for_the_password_is_named() -> None:
+    # Same password, new salt (ALTER ROLE ... PASSWORD again): the key is no use.
+    server = ClientAuthExchange("scram-sha-256", USER, make_scram_secret(PASSWORD))
+    backend = BackendAuthExchange(USER, SCRAM_SECRET, proven_key(SCRAM_SECRET)[1])
+    with pytest.raises(BackendAuthError, match="is not the server's"):
+        wire(server, backend)
+
+
+def test_a_pass_through_checks_the_server_signature() -> None:
+    def forge(code: int, data: bytes) -> tuple[int, bytes]:
+        if code == m.AUTH_SASL_FINAL:
+            return code, b"v=" + base64.b64encode(os.urandom(32))
+        return code, data
+
+    backend = BackendAuthExchange(USER, SCRAM_SECRET, proven_key(SCRAM_SECRET)[1])
+    server = ClientAuthExchange("scram-sha-256", USER, SCRAM_SECRET)
+    with pytest.raises(BackendAuthError, match="signature is invalid"):
+        wire(server, backend, tamper=forge)
+
+
+def test_an_md5_server_is_not_answered_with_a_scram_key() -> None:
+    backend = BackendAuthExchange(USER, SCRAM_SECRET, proven_key(SCRAM_SECRET)[1])
+    with pytest.raises(BackendAuthError, match="only a SCRAM secret is known"):
+        wire(ClientAuthExchange("md5", USER, PASSWORD), backend)
+
+
+def test_without_a_key_the_scram_refusal_says_what_is_missing() -> None:
+    server = ClientAuthExchange("scram-sha-256", USER, SCRAM_SECRET)
+    with pytest.raises(BackendAuthError, match="no client has logged in with SCRAM"):
+        wire(server, BackendAuthExchange(USER, SCRAM_SECRET))
 
 
 def test_backend_cleartext_is_not_answered_with_an_md5_secret() -> None:
