@@ -314,7 +314,7 @@ cdef class PoolCore:
     cdef public object proxy, settings, breaker, welcome, idle, waiters
     cdef public dict parked
     cdef public set servers
-    cdef public bint paused, stale
+    cdef public bint paused, stale, round_robin
     cdef public long long connecting, waits, total_wait_us
     cdef public double check_delay
 
@@ -329,6 +329,8 @@ cdef object _acquire_fast(PoolCore pool):
     if pool.paused:
         return None
     idle = pool.idle
+    if idle and pool.round_robin:
+        return pool.acquire_nowait()  # (not the default: the pool decides)
     if idle:
         server = idle.pop()
         if isinstance(server, ServerCore) and (<ServerCore>server).state is S_IDLE:

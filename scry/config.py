@@ -198,6 +198,10 @@ class PoolConfig(_Model):
     #: limit. More get 53300, as past max_client_conn.
     max_db_client_connections: Int = Field(0, ge=0)
     max_user_client_connections: Int = Field(0, ge=0)
+    #: PgBouncer's: hand out the idle server that has waited longest (FIFO)
+    #: instead of the most recently used one (LIFO, warm caches), so that load
+    #: spreads evenly over servers behind a host list or a load balancer.
+    server_round_robin: bool = False
 
     @model_validator(mode="after")
     def _min_not_above_size(self) -> PoolConfig:
@@ -223,6 +227,7 @@ class PoolOverride(_Model):
     max_user_connections: Int | None = Field(None, ge=0)
     max_db_client_connections: Int | None = Field(None, ge=0)
     max_user_client_connections: Int | None = Field(None, ge=0)
+    server_round_robin: bool | None = None
 
     def merged_with(self, base: PoolConfig) -> PoolConfig:
         """The effective pool settings: ``base`` with this override's set fields."""

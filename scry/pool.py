@@ -76,8 +76,9 @@ class Pool(PoolCore):
         self.name = f"{target.name}/{server_user}"
         self.startup_params = {k: v for k, v in target.params.items() if k not in _LIBPQ_ONLY}
         self.max_message_size = proxy.config.max_packet_size
-        # (Copied: the relay reads it per acquire; Proxy.apply_config renews it.)
+        # (Copied: the relay reads them per acquire; Proxy.apply_config renews them.)
         self.check_delay = proxy.config.timeouts.server_check_delay
+        self.round_robin = self.settings.server_round_robin
         self.idle: deque[ServerConnection] = deque()
         self.servers: set[ServerConnection] = set()  # every logged-in server
         self.connecting = 0
@@ -153,7 +154,9 @@ class Pool(PoolCore):
         idle = self.idle
         check_delay = self.check_delay
         while idle:
-            server = idle.pop()  # most recently used first: its caches are warm
+            # Most recently used first, its caches warm; or (server_round_robin)
+            # the one idle longest, to spread load over the servers.
+            server = idle.popleft() if self.round_robin else idle.pop()
             if server.state is IDLE:
                 if check_delay and self.proxy.clock - server.last_used > check_delay:
                     self._check(server)  # idle a long time: make sure it still works
@@ -195,7 +198,7 @@ class Pool(PoolCore):
         self.paused = False
         waiters, idle = self.waiters, self.idle
         while waiters and idle:
-            server = idle.pop()
+            server = idle.popleft() if self.round_robin else idle.pop()
             if server.state is IDLE and not waiters.popleft().attach(server):
                 idle.append(server)
         self._open_for_waiters()

@@ -262,6 +262,7 @@ class Proxy:
                 pool.target = target
                 pool.settings = target.pool
                 pool.check_delay = new.timeouts.server_check_delay
+                pool.round_robin = target.pool.server_round_robin
         event("config reloaded", path=self.config_path or "", databases=len(self.targets))
         return True
 

@@ -178,8 +178,8 @@ class PyPoolCore:
     them; see scry.pool.Pool.__init__ for what they mean)."""
 
     __slots__ = (
-        "breaker", "check_delay", "connecting", "idle", "parked", "paused", "proxy", "servers",
-        "settings", "stale", "total_wait_us", "waiters", "waits", "welcome",
+        "breaker", "check_delay", "connecting", "idle", "parked", "paused", "proxy", "round_robin",
+        "servers", "settings", "stale", "total_wait_us", "waiters", "waits", "welcome",
     )  # fmt: skip
 
 

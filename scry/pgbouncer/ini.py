@@ -398,7 +398,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "max_user_client_connections": Key(
         "0", handler=_to("pool.max_user_client_connections", as_int)
     ),
-    "server_round_robin": Key("0", why="scry reuses servers LIFO"),
+    "server_round_robin": Key("0", handler=_to("pool.server_round_robin", as_bool)),
     "track_extra_parameters": Key("IntervalStyle", handler=_tracked),
     "ignore_startup_parameters": Key("", handler=_compat("ignore_startup_parameters", as_list)),
     "peer_id": Key("0", changeable=False, handler=_peer_id),

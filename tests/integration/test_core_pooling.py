@@ -409,6 +409,29 @@ async def test_session_mode_pool_size_is_respected(scry_proxy, admin_dsn) -> Non
     assert sampler.max <= pool_size, sampler.max
 
 
+@pytest.mark.parametrize("round_robin", [False, True], ids=["lifo", "server_round_robin"])
+def test_server_round_robin_hands_out_the_server_idle_longest(
+    scry_proxy, wait_until, round_robin
+) -> None:
+    pool = {"mode": "session", "size": 3, "min_size": 3, "server_round_robin": round_robin}
+    proxy, admin = start_admin_proxy(scry_proxy, pool=pool)
+
+    def all_idle() -> bool:  # (a session's server is reset before it is idle again)
+        (info,) = get(admin, "/api/v1/pools")["pools"]
+        return info["servers"] == info["idle"] == 3
+
+    psycopg.connect(proxy.dsn()).close()  # the pool is made at the first login
+    pids = []
+    for _ in range(6):
+        wait_until(all_idle, 10, what="three idle servers")
+        with psycopg.connect(proxy.dsn()) as conn:
+            pids.append(conn.execute("select pg_backend_pid()").fetchone()[0])
+    if round_robin:  # each in turn
+        assert len(set(pids)) == 3 and pids[:3] == pids[3:], pids
+    else:  # the one used last, its caches warm
+        assert len(set(pids)) == 1, pids
+
+
 def test_connect_query_runs_on_every_new_server_before_its_first_client(scry_proxy) -> None:
     # PgBouncer's connect_query: each server is prepared before any client has it.
     query = "set lock_timeout = '1234ms'; set statement_timeout = '4321ms'"

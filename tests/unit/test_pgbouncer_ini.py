@@ -103,6 +103,7 @@ def test_effective_config(ini_path: Path) -> None:
     assert config.timeouts.idle_transaction_timeout == 1.5
     assert 0 < config.timeouts.server_check_delay < 0.001  # PgBouncer's 0 = check every time
     assert config.max_packet_size == 2147483647
+    assert config.pool.server_round_robin  # from %include
     assert (config.tcp_keepalive, config.tcp_keepcnt) == (True, 7)  # the include's 7 wins
 
     targets = config.targets()
@@ -147,7 +148,7 @@ def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
     unsupported = sorted(w.split(" ")[2] for w in warnings if w.startswith("not supported: "))
     # server_fast_close is set twice, reported once; tcp_keepalive = 1 and
     # log_connections = 1 are PgBouncer's defaults: nothing to report.
-    assert unsupported == sorted(["server_fast_close", "server_round_robin"]), warnings
+    assert unsupported == ["server_fast_close"], warnings
     assert not any("max_user_connections" in w for w in warnings)  # in effect
     assert any(w.startswith("differs: listen_addr") for w in warnings)
     assert len(warnings) == len(set(warnings))
