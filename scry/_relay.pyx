@@ -776,7 +776,7 @@ cdef class ServerCore:
     cdef public long long pending, swallow, copy, cancels_pending
     cdef public int tx_status
     cdef public double busy_since, xact_mark, ready_at, last_used
-    cdef public bint desynced, retire, paused_by_client
+    cdef public bint desynced, retire, paused_by_client, close_needed
 
     def __cinit__(self, *args, **kwargs):
         self._tag_seen = b""
@@ -937,6 +937,9 @@ cdef class ServerCore:
 
     cdef void _ready_fast(self, ClientCore client) except *:
         """ClientConnection.on_server_ready: give the server back if pooling allows."""
+        if self.close_needed:
+            client.server_must_go(self)  # (server_fast_close: rare, and the client decides)
+            return
         if not client.transaction_pooling or not client._at_boundary_fast():
             return
         tracker = client.tracker

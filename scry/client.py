@@ -460,6 +460,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
 
     def on_server_ready(self, server: ServerConnection) -> None:
         """The server answered everything and is idle: give it back if pooling allows."""
+        if server.close_needed:
+            self.server_must_go(server)
+            return
         if not self.transaction_pooling or not self._at_boundary():
             return
         tracker = self.tracker
@@ -488,6 +491,28 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self.server = None
         server.unlink()
         pool.release(server)
+
+    def server_must_go(self, server: ServerConnection) -> None:
+        """server_fast_close: RECONNECT or a reload marked the server this
+        session holds (Pool.close_sessions_fast). Once no transaction is open
+        on it, it goes: a pinned hybrid client whose state can be replayed
+        moves on to a new server; any other session ends with it, as in
+        PgBouncer. A client that stopped pinning gives it back as usual."""
+        if not self.between_transactions():
+            return  # (at the end of this transaction)
+        server.close_needed = False
+        tracker = self.tracker
+        if self.transaction_pooling and (tracker is None or not tracker.pinned):
+            self.on_server_ready(server)  # (back to the pool, which closes it)
+            return
+        if self.reclaim_pinned_server("server_fast_close"):
+            return
+        pool = self.pool
+        why = "database configuration changed" if pool is None or pool.stale else "RECONNECT"
+        self.server = None
+        server.unlink()
+        server.close(f"{why} (server_fast_close)")
+        self.fatal(ADMIN_SHUTDOWN, f"terminating the session: {why} (server_fast_close)")
 
     def detach_idle_server(self) -> ServerConnection | None:
         """Give up our server while between transactions (the pool wants it)."""

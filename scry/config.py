@@ -202,6 +202,10 @@ class PoolConfig(_Model):
     #: instead of the most recently used one (LIFO, warm caches), so that load
     #: spreads evenly over servers behind a host list or a load balancer.
     server_round_robin: bool = False
+    #: PgBouncer's: a server that RECONNECT or a reload marks to close is taken
+    #: from a session (session mode, a pinned hybrid client) once no transaction
+    #: is open on it, instead of when the session ends (scry.client).
+    server_fast_close: bool = False
 
     @model_validator(mode="after")
     def _min_not_above_size(self) -> PoolConfig:
@@ -228,6 +232,7 @@ class PoolOverride(_Model):
     max_db_client_connections: Int | None = Field(None, ge=0)
     max_user_client_connections: Int | None = Field(None, ge=0)
     server_round_robin: bool | None = None
+    server_fast_close: bool | None = None
 
     def merged_with(self, base: PoolConfig) -> PoolConfig:
         """The effective pool settings: ``base`` with this override's set fields."""

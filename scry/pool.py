@@ -650,7 +650,7 @@ class Pool(PoolCore):
         keep = self.settings.min_size
         for client in list(self.parked):
             server = client.server
-            if server is not None and (self._expired(server, now) or self.stale):
+            if server is not None and (server.retire or self._expired(server, now) or self.stale):
                 del self.parked[client]
                 client.parked = False
                 if client.detach_idle_server() is server:
@@ -688,6 +688,22 @@ class Pool(PoolCore):
             and secret_kind(password) == "scram"
             and self.proxy.scram_key(self.server_user, password) is None
         )
+
+    def close_sessions_fast(self) -> None:
+        """server_fast_close, after RECONNECT or a reload that changed the
+        database: the servers sessions hold (session mode, pinned hybrid
+        clients) leave them once no transaction is open: now if none is, else
+        at the end of the current one (ClientConnection.server_must_go).
+        Transaction-pooled clients give theirs back at that point anyway."""
+        for server in list(self.servers):
+            client = server.client
+            if client is None or client.parked:
+                continue
+            tracker = client.tracker
+            if client.transaction_pooling and (tracker is None or not tracker.pinned):
+                continue
+            server.close_needed = True
+            client.server_must_go(server)
 
     def close_all(self, reason: str) -> None:
         for server in list(self.servers):

@@ -258,6 +258,8 @@ class Proxy:
                 pool.stale = True
                 for server in list(pool.idle):
                     server.close("config changed")
+                if (target or pool.target).pool.server_fast_close:  # (the new config's say)
+                    pool.close_sessions_fast()
             else:
                 pool.target = target
                 pool.settings = target.pool

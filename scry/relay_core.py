@@ -188,7 +188,7 @@ class PyServerCore:
 
     __slots__ = (
         "_scanner", "applied", "breaker", "busy_since", "cancels_pending", "client", "copy",
-        "desynced", "drain_at", "last_tag", "last_used", "observe", "observed_queue",
+        "close_needed", "desynced", "drain_at", "last_tag", "last_used", "observe", "observed_queue",
         "paused_by_client", "pending", "pool", "ready_at", "retire", "sqlstate", "state",
         "statements", "stats", "swallow", "transport", "tx_status", "wake_drain", "xact_mark",
     )  # fmt: skip

@@ -175,6 +175,8 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.tls = False
         self.paused_by_client = False
         self.retire = False  # past server_lifetime: close instead of reusing
+        # server_fast_close: the session holding it loses it between transactions.
+        self.close_needed = False
         self.evicted = False  # retired for another pool (scry.connection_limits)
         self._exit_timer: asyncio.TimerHandle | None = None  # see BACKEND_EXIT_WAIT
         self.cancels_pending = 0  # CancelRequests sent and not yet processed by PostgreSQL

@@ -195,6 +195,8 @@ def cmd_reconnect(console: AdminConsole, arg: str, sql: str) -> bytes:
             server.retire = True  # closed when its client gives it back
         for server in list(pool.idle):
             server.close("RECONNECT")
+        if pool.settings.server_fast_close:
+            pool.close_sessions_fast()
     event("RECONNECT command issued", database=arg or "*")
     return ok("RECONNECT")
 

@@ -528,3 +528,45 @@ def test_auth_query_lets_in_whom_pgbouncer_lets_in(pg: DevCluster, workdir: Path
     # A known difference (docs/migrating-from-pgbouncer.md): with a forced user
     # PgBouncer 1.18 logs in with the client's SCRAM keys instead of the forced
     # user's password, and fails (pgbouncer/pgbouncer#1072).
+
+
+def _fast_close_script(bouncer: Bouncer) -> list[str]:
+    """Session pooling with server_fast_close = 1: what RECONNECT does to an
+    idle session and to one inside a transaction."""
+
+    def attempt(conn: psycopg.Connection, sql: str) -> str:
+        try:
+            conn.execute(sql)
+            return "ok"
+        except psycopg.OperationalError:
+            return "closed"
+
+    def app_servers() -> int:
+        columns, rows, _ = bouncer.admin("SHOW SERVERS")
+        database = [name for name, _ in columns].index("database")
+        return sum(1 for row in rows if row[database] == "app")
+
+    idle = bouncer.connect()
+    idle.execute("select 1")
+    busy = bouncer.connect()
+    busy.autocommit = False
+    busy.execute("select 1")  # (a transaction is open)
+    assert bouncer.admin("RECONNECT app")[2] == "RECONNECT"
+    seen = [attempt(busy, "select 2")]  # the transaction is not cut short
+    busy.commit()
+    deadline = time.monotonic() + 5  # (PgBouncer acts in its janitor, scry at once)
+    while app_servers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen += [f"servers left: {app_servers()}", attempt(busy, "select 3"), attempt(idle, "select 4")]
+    idle.close()
+    busy.close()
+    return seen
+
+
+def test_server_fast_close_ends_sessions_as_pgbouncer_does(pg: DevCluster, workdir: Path) -> None:
+    outcomes = {}
+    for kind in ("pgbouncer", "scry"):
+        with running(kind, pg, workdir, "pool_mode = session\nserver_fast_close = 1\n") as b:
+            outcomes[kind] = _fast_close_script(b)
+    assert outcomes["scry"] == outcomes["pgbouncer"], outcomes
+    assert outcomes["scry"] == ["ok", "servers left: 0", "closed", "closed"]

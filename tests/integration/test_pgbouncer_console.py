@@ -134,3 +134,27 @@ def test_autodb_databases_are_freed_when_idle(pg: DevCluster, wait_until) -> Non
             assert "app" in databases()  # configured databases are never freed
         finally:
             b.stop()
+
+
+def test_reconnect_closes_a_server_its_client_kept_between_transactions(
+    scry_bouncer: Bouncer, wait_until
+) -> None:
+    """Transaction pooling: a server busy at RECONNECT and kept by its client
+    afterwards (no one else wanted it) is closed all the same, within a
+    janitor pass, and the client goes on with a new one."""
+    b = scry_bouncer
+
+    def app_servers() -> list[int]:
+        columns, rows, _ = b.admin("SHOW SERVERS")
+        names = [name for name, _ in columns]
+        return [r[names.index("remote_pid")] for r in rows if r[names.index("database")] == "app"]
+
+    with b.connect() as conn:
+        for _ in range(2):  # (from its second transaction on, a client keeps its server)
+            conn.execute("select 1")
+        with conn.transaction():
+            (old_pid,) = conn.execute("select pg_backend_pid()").fetchone()
+            assert b.admin("RECONNECT app")[2] == "RECONNECT"
+        wait_until(lambda: not app_servers(), 5, what="the kept server closed")
+        (new_pid,) = conn.execute("select pg_backend_pid()").fetchone()
+        assert new_pid != old_pid
