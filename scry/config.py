@@ -728,10 +728,15 @@ class Config(_Model):
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     workers: int | Literal["auto"] = 1
-    #: peer id -> "host:port" of another scry instance, for cancel forwarding.
+    #: peer id -> "host:port" of another scry instance, for cancel forwarding,
+    #: or the path of its Unix socket (PgBouncer's ``[peers] host=/dir``).
     peers: dict[int, str] = Field(default_factory=dict)
     #: This instance's id among its peers (PgBouncer's peer_id); see scry.peering.
     peer_id: Int = Field(0, ge=0, le=16383)
+    #: PgBouncer's so_reuseport: other scry instances, each its own process and
+    #: config, may serve listen_addr too, on purpose (the kernel spreads new
+    #: connections over them). Without it a second instance is refused.
+    so_reuseport: bool = False
     tls: TlsConfig = Field(default_factory=TlsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     max_packet_size: Int = Field(1073741823, ge=1024)
@@ -782,6 +787,8 @@ class Config(_Model):
         for peer_id, addr in value.items():
             if not 0 <= peer_id <= 16383:
                 raise _problem(str(peer_id), "a peer id is 0..16383")
+            if addr.startswith("/"):
+                continue  # a Unix socket's path
             try:
                 split_host_port(addr)
             except ValueError as exc:

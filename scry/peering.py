@@ -241,7 +241,7 @@ class Peering:
         others = _live_instances(root, self.identity.instance)
         if not self.identity.replace:
             serving = [inst for inst in others if not (inst / "draining").exists()]
-            if serving:
+            if serving and not self.proxy.config.so_reuseport:
                 raise OSError(
                     f"another scry instance (pid {serving[0].name}) serves port {port}; "
                     "start with --replace for a rolling restart"
@@ -321,7 +321,7 @@ class Peering:
                 self.dropped += 1
                 return
             self.forwarded += 1
-            self._spawn(_send_tcp_cancel(addr, pid | VIA_PEER, secret))
+            self._spawn(_send_peer_cancel(addr, pid | VIA_PEER, secret))
             return
         if pid & VIA_LOCAL or self.dir is None:
             self.dropped += 1
@@ -469,10 +469,14 @@ async def _send_unix(path: Path, payload: bytes) -> None:
         pass  # that worker is gone (restarting, or an instance that just stopped)
 
 
-async def _send_tcp_cancel(addr: str, pid: int, secret: int) -> None:
-    host, port = split_host_port(addr)
+async def _send_peer_cancel(addr: str, pid: int, secret: int) -> None:
+    """A CancelRequest to a peer at ``host:port`` or at a Unix socket's path."""
+    if addr.startswith("/"):
+        connecting = asyncio.open_unix_connection(addr)
+    else:
+        connecting = asyncio.open_connection(*split_host_port(addr))
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+        _, writer = await asyncio.wait_for(connecting, CONNECT_TIMEOUT)
         writer.write(cancel_request(pid, secret))
         await writer.drain()
         writer.close()

@@ -480,7 +480,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "max_packet_size": Key("2147483647", handler=_to("max_packet_size", as_int)),
     "listen_backlog": Key("128", changeable=False, why="scry listens with a backlog of 4096"),
     "sbuf_loopcnt": Key("5", why="asyncio flow control bounds each connection"),
-    "so_reuseport": Key("0", changeable=False, why="use scry's `workers: N` for more cores"),
+    "so_reuseport": Key("0", changeable=False, handler=_to("so_reuseport", as_bool)),
     "tcp_defer_accept": Key("1", handler=_to("tcp_defer_accept", as_bool)),
     "tcp_socket_buffer": Key("0", why=_NET),
     "tcp_keepalive": Key("1", handler=_to("tcp_keepalive", as_bool)),
@@ -717,12 +717,14 @@ def _peers(builder: _Builder) -> None:
             continue  # PgBouncer allows (and skips) its own entry
         host = params.get("host", "")
         port = params.get("port", "6432")
-        if not host or host.startswith(("/", "@")):
-            builder.unsupported("[peers] host", "peers are reached over TCP only")
+        if not host or host.startswith("@"):
+            builder.unsupported("[peers] host", "a peer is a TCP address or a socket directory")
             continue
         if "pool_size" in params:
             builder.unsupported("[peers] pool_size", "cancel requests to peers are not pooled")
-        peers[peer_id] = join_host_port(host, port)
+        # (A directory, as unix_socket_dir: the peer's socket in it, as libpq finds it.)
+        unix = host.startswith("/")
+        peers[peer_id] = f"{host}/.s.PGSQL.{port}" if unix else join_host_port(host, port)
     if peers:
         builder.data["peers"] = peers
 

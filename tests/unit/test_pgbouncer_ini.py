@@ -390,3 +390,15 @@ def test_tls_versions_ciphers_and_curve_are_taken(tmp_path: Path) -> None:
 def test_log_stats_logs_every_stats_period(tmp_path: Path, lines: str, period: int) -> None:
     config, warnings = load_minimal(tmp_path, lines)
     assert warnings == [] and config.log.stats_period == period
+
+
+def test_so_reuseport_and_socket_directory_peers(tmp_path: Path) -> None:
+    # The multi-process layout of PgBouncer's docs: each process its own
+    # peer_id and socket directory, every peer named by its directory.
+    extra = (
+        "so_reuseport = 1\npeer_id = 1\n[peers]\n1 = host=/run/pgb1\n2 = host=/run/pgb2 port=6433\n"
+    )
+    config, warnings = load_minimal(tmp_path, extra)
+    assert warnings == []
+    assert config.so_reuseport and config.peer_id == 1
+    assert config.peers == {2: "/run/pgb2/.s.PGSQL.6433"}
