@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from scry.config import Config, ConfigError, DatabaseTarget
 from scry.hba import HbaError, HbaRules, load_hba
+from scry.protocol.auth import SCRAM_MIN_ITERATIONS
 from scry.userlist import load_userlist
 
 #: Client auth methods a stored secret must answer.
@@ -24,6 +25,7 @@ class AuthPolicy:
     users: dict[str, str]  # user name -> stored secret (plain, md5 or SCRAM)
     hba: HbaRules | None = None  # method "hba": the rules that choose each login's method
     auth_user: str | None = None  # who runs auth_query for users with no secret here
+    scram_iterations: int = SCRAM_MIN_ITERATIONS  # of SCRAM secrets made from plaintext ones
 
     @classmethod
     def from_config(cls, config: Config) -> AuthPolicy:
@@ -53,7 +55,7 @@ class AuthPolicy:
                 ) from exc
             except HbaError as exc:
                 raise ConfigError(f"auth.auth_hba_file: {exc}") from exc
-        return cls(auth.type, users, hba, auth.auth_user)
+        return cls(auth.type, users, hba, auth.auth_user, auth.scram_iterations)
 
     def secret_for(self, user: str) -> str | None:
         return self.users.get(user)

@@ -352,7 +352,9 @@ class ClientLogin:
             self.transaction_pooling = mode != "session"
             self.statement_pooling = mode == "statement"
             self.tracker = self._new_tracker(mode)
-        self._auth = ClientAuthExchange(method, self.user, secret)
+        self._auth = ClientAuthExchange(
+            method, self.user, secret, scram_iterations=proxy.auth.scram_iterations
+        )
         self._reader = MessageReader(proxy.config.max_packet_size)
         self.state = AUTH
         rest = bytes(self._startup_buf)  # anything the client sent after its startup packet

@@ -40,6 +40,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from scry.protocol.auth import SCRAM_MIN_ITERATIONS
+
 __all__ = [
     "AdminConfig",
     "AuthConfig",
@@ -279,6 +281,10 @@ class AuthConfig(_Model):
     auth_user: str | None = None
     auth_dbname: str | None = None
     users: list[UserEntry] = Field(default_factory=list)
+    #: PgBouncer's: PBKDF2 rounds of the SCRAM secrets scry makes from plaintext
+    #: passwords (a client computes as many at each SCRAM login). Secrets stored
+    #: as SCRAM keep their own. At least RFC 7677's 4096, which scramp enforces.
+    scram_iterations: Int = Field(SCRAM_MIN_ITERATIONS, ge=SCRAM_MIN_ITERATIONS)
 
     @model_validator(mode="after")
     def _hba_needs_its_file(self) -> AuthConfig:

@@ -45,6 +45,7 @@ from scry.config import (
     _set_path,
     join_host_port,
 )
+from scry.protocol.auth import SCRAM_MIN_ITERATIONS
 
 __all__ = [
     "IniError",
@@ -353,6 +354,14 @@ def _peer_id(builder: _Builder, key: str, entry: Entry) -> None:
     builder.set("pgbouncer.peer_id", as_int(entry))
 
 
+def _scram_iterations(builder: _Builder, key: str, entry: Entry) -> None:
+    rounds = as_int(entry)
+    if rounds < SCRAM_MIN_ITERATIONS:  # (PgBouncer allows fewer; scramp does not)
+        builder.unsupported(key, f"below {SCRAM_MIN_ITERATIONS}, RFC 7677's floor")
+    else:
+        builder.set("auth.scram_iterations", rounds)
+
+
 def _auth_hba(builder: _Builder, key: str, entry: Entry) -> None:
     if entry.value:
         builder.set("auth.auth_hba_file", entry.value)
@@ -409,7 +418,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "job_name": Key("pgbouncer", changeable=False, handler=lambda b, k, e: None),
     "stats_period": Key("60", handler=_compat("stats_period", as_int)),
     "max_prepared_statements": Key("200", handler=_to("pool.max_prepared_statements", as_int)),
-    "scram_iterations": Key("4096", why="scry verifies the SCRAM secrets it is given"),
+    "scram_iterations": Key("4096", handler=_scram_iterations),
     # --- authentication
     "auth_type": Key("md5", handler=_auth_type),
     "auth_hba_file": Key("", handler=_auth_hba),

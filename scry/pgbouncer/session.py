@@ -86,7 +86,12 @@ class ConsoleSession(asyncio.Protocol):
             admin = self.user in compat.admin_users
             self._login_ok(admin=admin)
             return
-        self._auth = ClientAuthExchange(method, self.user, proxy.auth.secret_for(self.user))
+        self._auth = ClientAuthExchange(
+            method,
+            self.user,
+            proxy.auth.secret_for(self.user),
+            scram_iterations=proxy.auth.scram_iterations,
+        )
         self._auth_step(self._auth.start())
 
     def _auth_step(self, step: Any) -> None:

@@ -38,6 +38,8 @@ from scry.protocol.errors import INVALID_AUTHORIZATION, INVALID_PASSWORD, PROTOC
 
 SCRAM_SHA_256 = "SCRAM-SHA-256"
 _scram = ScramMechanism(SCRAM_SHA_256)
+#: RFC 7677's minimum PBKDF2 rounds, which scramp holds both sides to.
+SCRAM_MIN_ITERATIONS = 4096
 
 
 def md5_secret(user: str, password: str) -> str:
@@ -89,10 +91,13 @@ def mock_salt(user: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=1024)
-def scram_auth_info(secret: str, user: str = "") -> tuple[bytes, bytes, bytes, int]:
-    """scramp's auth info (salt, stored_key, server_key, iterations) for a secret.
+def scram_auth_info(
+    secret: str, user: str = "", iterations: int = SCRAM_MIN_ITERATIONS
+) -> tuple[bytes, bytes, bytes, int]:
+    """scramp's auth info (salt, stored_key, server_key, iterations) for a secret
+    (a plaintext one is made into a SCRAM secret of ``iterations`` rounds).
 
-    Cached: deriving keys from a plaintext password costs 4096 PBKDF2 rounds.
+    Cached: deriving keys from a plaintext password costs that many PBKDF2 rounds.
     """
     if secret_kind(secret) == "scram":
         _, params, keys = secret.split("$")
@@ -104,10 +109,10 @@ def scram_auth_info(secret: str, user: str = "") -> tuple[bytes, bytes, bytes, i
             base64.b64decode(server),
             int(iterations),
         )
-    salt, stored, server, iterations = _scram.make_auth_info(
-        secret, iteration_count=4096, salt=mock_salt(user)
+    salt, stored, server, rounds = _scram.make_auth_info(
+        secret, iteration_count=iterations, salt=mock_salt(user)
     )
-    return salt, stored, server, iterations
+    return salt, stored, server, rounds
 
 
 class AuthStep(NamedTuple):
@@ -139,7 +144,13 @@ class ClientAuthExchange:
     """
 
     def __init__(
-        self, method: str, user: str, secret: str | None, *, salt: bytes | None = None
+        self,
+        method: str,
+        user: str,
+        secret: str | None,
+        *,
+        salt: bytes | None = None,
+        scram_iterations: int = SCRAM_MIN_ITERATIONS,
     ) -> None:
         self.user = user
         self._secret = secret
@@ -153,6 +164,7 @@ class ClientAuthExchange:
         self.method = method
         # (``salt``: the md5 challenge already sent for this login)
         self._salt = _random_salt() if salt is None else salt
+        self._scram_iterations = scram_iterations  # (for a plaintext secret)
         self._scram_server: Any = None
         #: After a SCRAM login against a SCRAM secret: the ClientKey the client
         #: proved, which lets scry log in to servers as this user (pass-through).
@@ -228,7 +240,9 @@ class ClientAuthExchange:
                 secret = self._secret
                 # Unknown user: run the exchange against a random secret and fail.
                 info = scram_auth_info(
-                    _UNKNOWN_USER_SECRET if secret is None else secret, self.user
+                    _UNKNOWN_USER_SECRET if secret is None else secret,
+                    self.user,
+                    self._scram_iterations,
                 )
                 self._scram_server = _scram.make_server(lambda _username: info)
                 self._scram_server.set_client_first(data.decode())

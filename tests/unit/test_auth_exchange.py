@@ -219,6 +219,20 @@ def test_scram_uses_stored_salt_and_iterations() -> None:
 
 
 @pytest.mark.parametrize("client_cls", SCRAM_CLIENTS)
+def test_scram_iterations_for_a_plaintext_secret(client_cls: type) -> None:
+    # (PgBouncer's scram_iterations: the rounds of secrets made from passwords.)
+    for user, secret in ((USER, PASSWORD), ("nobody", None)):  # unknown users alike
+        server = ClientAuthExchange("scram-sha-256", user, secret, scram_iterations=5000)
+        step, server_first = scram_login(server, client_cls(PASSWORD))
+        assert server_first is not None and "i=5000" in server_first.split(",")
+        assert step.done is (secret is not None)
+    # A stored SCRAM secret keeps its own count.
+    server = ClientAuthExchange("scram-sha-256", USER, SCRAM_SECRET, scram_iterations=5000)
+    _, server_first = scram_login(server, client_cls(PASSWORD))
+    assert server_first is not None and f"i={ITERATIONS}" in server_first.split(",")
+
+
+@pytest.mark.parametrize("client_cls", SCRAM_CLIENTS)
 @pytest.mark.parametrize("secret", [PASSWORD, SCRAM_SECRET], ids=["plain", "scram"])
 def test_scram_wrong_password(client_cls: type, secret: str) -> None:
     server = ClientAuthExchange("scram-sha-256", USER, secret)
