@@ -374,10 +374,16 @@ class BackendAuthExchange:
             self._with_key = self._passing_through()
             password = "" if self._with_key else self._need_password()
             self._scram = ScramClient([SCRAM_SHA_256], self.user, password)
+            # Any count a server asks for, as libpq takes it (PostgreSQL 16's
+            # scram_iterations may be below scramp's floor of 4096).
+            self._scram.iterations = 1
             first = self._scram.get_client_first().encode()
             return m.sasl_initial_response(SCRAM_SHA_256, first)
         if code == m.AUTH_SASL_CONTINUE and self._scram is not None:
-            self._scram.set_server_first(data.decode())
+            try:
+                self._scram.set_server_first(data.decode())
+            except (ScramException, UnicodeDecodeError) as exc:
+                raise BackendAuthError(f"server's SCRAM challenge is invalid: {exc}") from exc
             if self._with_key:
                 return m.sasl_response(self._pass_through_final(self._scram).encode())
             return m.sasl_response(self._scram.get_client_final().encode())

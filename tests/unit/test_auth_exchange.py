@@ -465,6 +465,39 @@ def test_backend_scram(kind: str) -> None:
     assert result == ("ok", [m.AUTH_SASL, m.AUTH_SASL_CONTINUE, m.AUTH_SASL_FINAL, m.AUTH_OK])
 
 
+def hand_scram_secret(password: str, iterations: int) -> str:
+    """A SCRAM secret by hand (RFC 5802), for counts below scramp's floor of 4096."""
+    salt = os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    client_key = hmac.digest(salted, b"Client Key", "sha256")
+    stored = hashlib.sha256(client_key).digest()
+    server = hmac.digest(salted, b"Server Key", "sha256")
+
+    def b64(b: bytes) -> str:
+        return base64.b64encode(b).decode()
+
+    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored)}:{b64(server)}"
+
+
+def test_backend_scram_takes_any_count_the_server_asks_for() -> None:
+    # PostgreSQL 16's scram_iterations may store fewer than 4096 rounds; libpq
+    # logs in all the same, and so must scry.
+    server = ClientAuthExchange("scram-sha-256", USER, hand_scram_secret(PASSWORD, 1024))
+    result = wire(server, BackendAuthExchange(USER, PASSWORD))
+    assert result == ("ok", [m.AUTH_SASL, m.AUTH_SASL_CONTINUE, m.AUTH_SASL_FINAL, m.AUTH_OK])
+
+
+def test_backend_refuses_a_bad_scram_challenge_with_a_clear_error() -> None:
+    def foreign_nonce(code: int, data: bytes) -> tuple[int, bytes]:
+        if code == m.AUTH_SASL_CONTINUE:
+            return code, b"r=someone-elses-nonce," + data.split(b",", 1)[1]
+        return code, data
+
+    server = ClientAuthExchange("scram-sha-256", USER, PASSWORD)
+    with pytest.raises(BackendAuthError, match="server's SCRAM challenge is invalid"):
+        wire(server, BackendAuthExchange(USER, PASSWORD), tamper=foreign_nonce)
+
+
 def test_backend_scram_empty_user_name() -> None:
     result = wire(
         ClientAuthExchange("scram-sha-256", USER, PASSWORD), BackendAuthExchange("", PASSWORD)
