@@ -42,7 +42,7 @@ async def look_up_secret(proxy: Proxy, target: DatabaseTarget, user: str) -> str
         raise AuthQueryError(f"no server for auth_user {auth_user!r}: {exc}") from None
     answered: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
     server.run_internal(
-        auth.auth_query if auth else DEFAULT_AUTH_QUERY,
+        target.auth_query or (auth.auth_query if auth else DEFAULT_AUTH_QUERY),
         lambda ok: answered.done() or answered.set_result(ok),
         resync=False,
         params=[user],

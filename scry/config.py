@@ -208,6 +208,8 @@ class PoolConfig(_Model):
     #: from a session (session mode, a pinned hybrid client) once no transaction
     #: is open on it, instead of when the session ends (scry.client).
     server_fast_close: bool = False
+    #: PgBouncer's per-database server_lifetime; None: ``timeouts.server_lifetime``.
+    server_lifetime: Seconds | None = None
 
     @model_validator(mode="after")
     def _min_not_above_size(self) -> PoolConfig:
@@ -235,6 +237,7 @@ class PoolOverride(_Model):
     max_user_client_connections: Int | None = Field(None, ge=0)
     server_round_robin: bool | None = None
     server_fast_close: bool | None = None
+    server_lifetime: Seconds | None = None
 
     def merged_with(self, base: PoolConfig) -> PoolConfig:
         """The effective pool settings: ``base`` with this override's set fields."""
@@ -248,9 +251,11 @@ class DatabaseConfig(_Model):
 
     database_url: str
     pool: PoolOverride | None = None
-    #: PgBouncer's per-database auth_user / auth_dbname: override ``auth.*`` here.
+    #: PgBouncer's per-database auth_user / auth_dbname / auth_query: override
+    #: ``auth.*`` here.
     auth_user: str | None = None
     auth_dbname: str | None = None
+    auth_query: str | None = None
 
 
 class UserEntry(_Model):
@@ -563,6 +568,7 @@ class DatabaseTarget:
     pool: PoolConfig = field(default_factory=PoolConfig)
     auth_user: str | None = None  # (this database's, over auth.auth_user)
     auth_dbname: str | None = None
+    auth_query: str | None = None
     load_balance_hosts: LoadBalanceHosts = "round-robin"
     target_session_attrs: TargetSessionAttrs = "any"
 
@@ -855,7 +861,7 @@ class Config(_Model):
             except ValidationError as exc:
                 problems.extend(_problems_from_validation(exc, prefix=(*key.split("."), "pool")))
                 continue
-            result[name] = _target(name, parsed, pool, db.auth_user, db.auth_dbname)
+            result[name] = _target(name, parsed, pool, db)
         if problems:
             raise ConfigError("\n".join(problems), problems=problems)
         return result
@@ -882,11 +888,7 @@ class Config(_Model):
 
 
 def _target(
-    name: str,
-    parsed: _ParsedUrl,
-    pool: PoolConfig,
-    auth_user: str | None = None,
-    auth_dbname: str | None = None,
+    name: str, parsed: _ParsedUrl, pool: PoolConfig, db: DatabaseConfig | None = None
 ) -> DatabaseTarget:
     return DatabaseTarget(
         name=name,
@@ -897,8 +899,9 @@ def _target(
         password=parsed.password,
         params=dict(parsed.params),
         pool=pool,
-        auth_user=auth_user,
-        auth_dbname=auth_dbname,
+        auth_user=db.auth_user if db else None,
+        auth_dbname=db.auth_dbname if db else None,
+        auth_query=db.auth_query if db else None,
         load_balance_hosts=parsed.load_balance_hosts,
         target_session_attrs=parsed.target_session_attrs,
     )

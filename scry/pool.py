@@ -270,7 +270,9 @@ class Pool(PoolCore):
         server.run_internal(query, done)
 
     def _expired(self, server: ServerConnection, now: float) -> bool:
-        lifetime = self.proxy.config.timeouts.server_lifetime
+        lifetime = self.settings.server_lifetime
+        if lifetime is None:
+            lifetime = self.proxy.config.timeouts.server_lifetime
         return bool(lifetime) and now - server.created_at > lifetime
 
     # --- opening servers -----------------------------------------------------------

@@ -509,13 +509,12 @@ _ALIASES = {"reserve_pool": "reserve_pool_size"}
 _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
 _DB_UNSUPPORTED = {
-    "auth_query": "scry has one auth_query, in [pgbouncer]",
-    "server_lifetime": "server_lifetime is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
 }
 _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_pool_size",
              "reserve_pool", "reserve_pool_size", "pool_mode", "max_db_connections",
              "max_db_client_connections", "connect_query", "auth_user", "auth_dbname",
+             "auth_query", "server_lifetime",
              "load_balance_hosts", "target_session_attrs", *_DB_SETTINGS,
              *_DB_UNSUPPORTED}  # fmt: skip
 _USER_UNSUPPORTED = {
@@ -651,6 +650,8 @@ def _db_pool(params: Mapping[str, str], where: str) -> dict[str, Any]:
         pool["mode"] = params["pool_mode"].lower()
     if params.get("connect_query"):
         pool["connect_query"] = params["connect_query"]
+    if "server_lifetime" in params:
+        pool["server_lifetime"] = as_seconds(Entry(params["server_lifetime"], where))
     return pool
 
 
@@ -679,7 +680,7 @@ def _databases(builder: _Builder) -> None:
                                                       socket_dir)}  # fmt: skip
         if pool:
             db["pool"] = pool
-        for key in ("auth_user", "auth_dbname"):
+        for key in ("auth_user", "auth_dbname", "auth_query"):
             if params.get(key):
                 db[key] = params[key]
         if name == "*":

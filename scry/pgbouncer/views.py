@@ -152,7 +152,9 @@ def show_databases(console: AdminConsole) -> bytes:
         rows.append([
             name, "unix" if target.host.startswith("/") else target.host, target.port,
             target.dbname, target.user, target.pool.size, target.pool.min_size,
-            target.pool.reserve_size, lifetime, mode, target.load_balance_hosts,
+            target.pool.reserve_size,
+            lifetime if target.pool.server_lifetime is None else int(target.pool.server_lifetime),
+            mode, target.load_balance_hosts,
             target.pool.max_db_connections,
             servers.get(name, 0), target.pool.max_db_client_connections,
             clients.get(name, 0), paused, name in console.state.disabled,

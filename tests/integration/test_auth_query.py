@@ -121,18 +121,26 @@ async def test_a_failing_auth_query_refuses_that_client_and_logs_why(
     assert select_user(proxy2, "app", "app_pass") == ("app", "app")
 
 
-def test_a_database_can_name_its_own_auth_user(pg, scry_proxy) -> None:
-    # No global auth_user: only "looked" looks users up (PgBouncer's
-    # per-database auth_user), and there it runs in auth_dbname "app".
+def test_a_database_can_name_its_own_auth_user_and_query(pg, scry_proxy) -> None:
+    # No global auth_user: only "looked" and "strict" look users up (PgBouncer's
+    # per-database auth_user), in auth_dbname "app"; "strict" with its own
+    # auth_query, which finds no aq_ role.
     url = pg.url()
+    strict = "SELECT rolname, rolpassword FROM pg_authid WHERE rolname=$1 AND rolname !~ '^aq_'"
     proxy = scry_proxy(
         {
             "auth": {"type": "md5", "users": [{"name": "app", "password": "app_pass"}]},
-            "databases": {"looked": {"database_url": url, "auth_user": "postgres",
-                                     "auth_dbname": "app"}},
+            "databases": {
+                "looked": {"database_url": url, "auth_user": "postgres", "auth_dbname": "app"},
+                "strict": {"database_url": url, "auth_user": "postgres", "auth_query": strict},
+            },
         }
     )  # fmt: skip
     role = new_role(pg, "mine")
     with psycopg.connect(proxy.dsn(user=role, password="mine", dbname="looked")) as conn:
         assert conn.execute("select current_user").fetchone() == ("app",)
     assert "password authentication failed" in refused(proxy, role, "mine")  # at "app"
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(proxy.dsn(user=role, password="mine", dbname="strict"))
+    with psycopg.connect(proxy.dsn(user="md5_user", password="md5_pass", dbname="strict")) as conn:
+        assert conn.execute("select current_user").fetchone() == ("app",)

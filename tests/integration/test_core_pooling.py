@@ -499,3 +499,27 @@ def test_application_name_add_host_shows_each_client_on_the_server(scry_proxy, a
             ).fetchall()
         ]
     assert any(n.startswith("reports - 127.0.0.1:") for n in names), names
+
+
+def test_a_database_can_have_its_own_server_lifetime(pg, scry_proxy, wait_until) -> None:
+    # (PgBouncer's per-database server_lifetime.)
+    url = pg.url(password="app_pass")
+    proxy = scry_proxy({
+        "databases": {
+            "short": {"database_url": url, "pool": {"server_lifetime": 1}},
+            "long": {"database_url": url},  # timeouts.server_lifetime: an hour
+        },
+    })  # fmt: skip
+
+    def backend_pid(dbname: str) -> int:
+        with psycopg.connect(proxy.dsn(dbname=dbname)) as conn:
+            return conn.execute("select pg_backend_pid()").fetchone()[0]
+
+    first = {db: backend_pid(db) for db in ("short", "long")}
+    wait_until(
+        lambda: 'pool=short/app reason=server_lifetime' in proxy.log_text(), 5,
+        what="the short-lived server closed",
+    )  # fmt: skip
+    assert backend_pid("long") == first["long"]
+    assert backend_pid("short") != first["short"]
+    assert "pool=long/app reason=server_lifetime" not in proxy.log_text()

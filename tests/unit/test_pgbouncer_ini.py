@@ -287,7 +287,8 @@ def test_statement_mode_is_recorded(tmp_path: Path) -> None:
 def test_auth_user_query_and_dbname_map_to_auth(tmp_path: Path) -> None:
     path = tmp_path / "aq.ini"
     path.write_text(
-        "[databases]\ndb = host=127.0.0.1 auth_user=other\nlookups = host=127.0.0.1\n"
+        "[databases]\ndb = host=127.0.0.1 auth_user=other server_lifetime=600\n"
+        "lookups = host=127.0.0.1 auth_query='SELECT usename, passwd FROM mine WHERE usename=$1'\n"
         "[pgbouncer]\nlisten_addr = 127.0.0.1\nauth_user = lookup\nauth_dbname = lookups\n"
         "auth_query = SELECT usename, passwd FROM pg_shadow WHERE usename=$1\n"
     )
@@ -299,6 +300,14 @@ def test_auth_user_query_and_dbname_map_to_auth(tmp_path: Path) -> None:
     # A database's own auth_user (and '*''s, for the databases made from it) wins.
     assert config.targets()["db"].auth_user == "other"
     assert config.targets()["lookups"].auth_user is None
+    # ... and its auth_query and server_lifetime (PgBouncer's per-database ones).
+    assert (
+        config.targets()["lookups"].auth_query
+        == "SELECT usename, passwd FROM mine WHERE usename=$1"
+    )
+    assert config.targets()["db"].auth_query is None
+    assert config.targets()["db"].pool.server_lifetime == 600
+    assert config.targets()["lookups"].pool.server_lifetime is None  # timeouts.server_lifetime
     path.write_text(
         "[databases]\n* = host=127.0.0.1 auth_user=lookup auth_dbname=main\n"
         "main = host=127.0.0.1\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
