@@ -459,6 +459,17 @@ class PgbouncerUserOverride(_Model):
     reserve_pool_size: Int | None = Field(None, ge=0)
     max_user_connections: Int | None = Field(None, ge=0)
     max_user_client_connections: Int | None = Field(None, ge=0)
+    #: This user's clients' timeouts, over ``timeouts.*`` (PgBouncer's user-level ones).
+    query_timeout: Seconds | None = None
+    idle_transaction_timeout: Seconds | None = None
+    transaction_timeout: Seconds | None = None
+    client_idle_timeout: Seconds | None = None
+
+
+#: The timeouts a ``[users]`` line may set for that user's clients.
+USER_TIMEOUTS = (
+    "query_timeout", "idle_transaction_timeout", "transaction_timeout", "client_idle_timeout",
+)  # fmt: skip
 
 
 class PgbouncerCompatConfig(_Model):
@@ -832,6 +843,16 @@ class Config(_Model):
     def listen_host_port(self) -> tuple[str, int]:
         """``listen_addr`` split into host and port."""
         return split_host_port(self.listen_addr)
+
+    def user_timeouts(self) -> dict[str, TimeoutsConfig]:
+        """The timeouts of users whose ``[users]`` line sets some (PgBouncer mode)."""
+        users = self.pgbouncer.users if self.pgbouncer is not None else {}
+        result = {}
+        for name, override in users.items():
+            own = {k: v for k in USER_TIMEOUTS if (v := getattr(override, k)) is not None}
+            if own:
+                result[name] = self.timeouts.model_copy(update=own)
+        return result
 
     def targets(self) -> dict[str, DatabaseTarget]:
         """The backend databases by client-visible name.

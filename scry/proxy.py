@@ -77,6 +77,7 @@ class Proxy:
         self.draining = False
         self.clock = time.monotonic()  # coarse clock, updated by the janitor
         self.observatory = Observatory(config.observability)
+        self.user_timeouts = config.user_timeouts()  # ([users] lines that set timeouts)
         self.observatory.log_queries = config.log.log_queries
         self.breakers: dict[str, CircuitBreaker] = {}
         self.host_rotations: dict[str, HostRotation] = {}  # (scry.hosts: one per database)
@@ -251,6 +252,7 @@ class Proxy:
         self.login_plans.clear()
         self.client_tls, self.server_tls = tls_in, tls_out
         self.targets = new.targets()
+        self.user_timeouts = new.user_timeouts()
         self.observatory.log_queries = new.log.log_queries
         for (name, _user), pool in self.pools.items():
             target = self.targets.get(name)
@@ -378,16 +380,19 @@ class Proxy:
 
     def _enforce_timeouts(self, now: float) -> None:
         """PgBouncer's client-side timeouts, checked once a janitor pass (about 1 s)."""
-        t = self.config.timeouts
+        timeouts = self.config.timeouts
+        per_user = self.user_timeouts
         if not (
-            t.client_login_timeout
-            or t.query_timeout
-            or t.idle_transaction_timeout
-            or t.transaction_timeout
-            or t.client_idle_timeout
+            timeouts.client_login_timeout
+            or timeouts.query_timeout
+            or timeouts.idle_transaction_timeout
+            or timeouts.transaction_timeout
+            or timeouts.client_idle_timeout
+            or per_user
         ):
             return
         for client in list(self.clients):
+            t = per_user.get(client.user, timeouts) if per_user else timeouts
             if client.state != "ready":
                 if (
                     t.client_login_timeout

@@ -38,6 +38,7 @@ from pydantic import ValidationError
 
 from scry.config import (
     DEFAULT_AUTH_QUERY,
+    USER_TIMEOUTS,
     Config,
     ConfigError,
     _env_overrides,
@@ -518,11 +519,7 @@ _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_poo
              "load_balance_hosts", "target_session_attrs", *_DB_SETTINGS,
              *_DB_UNSUPPORTED}  # fmt: skip
 _USER_UNSUPPORTED = {
-    "query_timeout": "query_timeout is global in scry",
     "query_wait_timeout": "query_wait_timeout is global in scry",
-    "idle_transaction_timeout": "idle_transaction_timeout is global in scry",
-    "transaction_timeout": "transaction_timeout is global in scry",
-    "client_idle_timeout": "client_idle_timeout is global in scry",
 }
 
 
@@ -704,6 +701,8 @@ def _users(builder: _Builder) -> None:
                 override["reserve_pool_size"] = as_int(Entry(value, entry.where))
             elif key in ("max_user_connections", "max_user_client_connections"):
                 override[key] = as_int(Entry(value, entry.where))
+            elif key in USER_TIMEOUTS:
+                override[key] = as_seconds(Entry(value, entry.where))
             elif key in _USER_UNSUPPORTED:
                 if value not in ("", "0", "-1"):
                     builder.unsupported(f"[users] {key}", _USER_UNSUPPORTED[key])

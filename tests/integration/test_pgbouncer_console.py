@@ -158,3 +158,37 @@ def test_reconnect_closes_a_server_its_client_kept_between_transactions(
         wait_until(lambda: not app_servers(), 5, what="the kept server closed")
         (new_pid,) = conn.execute("select pg_backend_pid()").fetchone()
         assert new_pid != old_pid
+
+
+def test_a_users_line_sets_timeouts_for_that_users_clients(pg: DevCluster, wait_until) -> None:
+    """[users] md5_user = idle_transaction_timeout=1 (PgBouncer's user-level
+    timeouts): its clients are held to it, app's are not (no global one)."""
+    with bouncer_dir() as directory:
+        with open(directory / "userlist.txt", "a") as userlist:
+            userlist.write('"md5_user" "md5_pass"\n')
+        bouncer = Bouncer("scry", pg, directory)
+        bouncer.ini.write_text(
+            bouncer.ini.read_text() + "\n[users]\nmd5_user = idle_transaction_timeout=1\n"
+        )
+        bouncer.start()
+        try:
+            held = bouncer.connect("md5_user", "md5_pass")
+            free = bouncer.connect()
+            for conn in (held, free):
+                conn.autocommit = False
+                conn.execute("select 1")  # (a transaction is open, and idle)
+            wait_until(
+                lambda: "idle transaction timeout" in bouncer.output(), 6, what="the timeout"
+            )
+            with pytest.raises(psycopg.Error) as caught:
+                held.execute("select 2")
+            assert caught.value.sqlstate == "25P03"
+            assert free.execute("select 2").fetchone() == (2,)
+            free.commit()
+            line = next(x for x in bouncer.output().splitlines() if "idle transaction" in x)
+            assert "user=md5_user" in line, line
+            held.close()
+            free.close()
+        finally:
+            bouncer.stop()
+        assert "Traceback" not in bouncer.output()

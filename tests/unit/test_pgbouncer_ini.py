@@ -57,7 +57,7 @@ peer_id = 1
 %include {include}
 
 [users]
-batch = pool_mode=session pool_size=2 max_user_connections=4
+batch = pool_mode=session pool_size=2 max_user_connections=4 client_idle_timeout=30
 
 [peers]
 1 = host=10.0.0.21
@@ -138,6 +138,9 @@ def test_effective_config(ini_path: Path) -> None:
     assert compat.users["batch"].pool_mode == "session"
     assert compat.users["batch"].pool_size == 2
     assert compat.users["batch"].max_user_connections == 4
+    timeouts = config.user_timeouts()  # (the global ones, but what the line sets)
+    assert set(timeouts) == {"batch"} and timeouts["batch"].client_idle_timeout == 30
+    assert timeouts["batch"].query_wait_timeout == config.timeouts.query_wait_timeout
     assert compat.autodb is not None and "host=10.0.0.9" in compat.autodb.database_url
     assert compat.conffile == str(ini_path)
     assert config.peer_id == 1
