@@ -365,6 +365,7 @@ cdef class ClientCore:
     cdef public long long _queued_owed, _queued_bytes
     cdef public double last_active
     cdef public bint parked, observed, transaction_pooling, statement_pooling, _retried
+    cdef public bint refuse_query
     cdef public bint _unsynced, _unnamed_open, _paused_waiting
     cdef public long _syncs_since_execute, _early_syncs
     cdef public object _plan, _salt
@@ -449,7 +450,7 @@ cdef class ClientCore:
             # count it in the bytes received).
             self._leave_fast()
             return
-        if p[0] != _Q or n - 5 > s._max or n - 5 > s._max_collect:
+        if p[0] != _Q or n - 5 > s._max or n - 5 > s._max_collect or self.refuse_query:
             self._data_received(data)
             return
         # One whole Query: ClientConnection._relay, _relay_query and _forward.

@@ -189,6 +189,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         except ProtocolViolation as exc:
             self.refuse_stream(exc)
             return
+        if self.refuse_query and any(kind == _Q for kind, _, _ in events):
+            self._refuse_simple_query()
+            return
         if len(events) == 1:
             kind, end, body = events[0]
             if kind == _Q:
@@ -491,6 +494,13 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self.server = None
         server.unlink()
         pool.release(server)
+
+    def _refuse_simple_query(self) -> None:
+        """disable_pqexec: the client sent a simple Query; it is disconnected, as
+        in PgBouncer, before anything of what it sent reaches a server."""
+        event("simple query refused (disable_pqexec)", logging.WARNING, client=self.id,
+              user=self.user, db=self.database)  # fmt: skip
+        self.fatal(PROTOCOL_VIOLATION, "PQexec disallowed (disable_pqexec)")
 
     def server_must_go(self, server: ServerConnection) -> None:
         """server_fast_close: RECONNECT or a reload marked the server this

@@ -351,6 +351,7 @@ class ClientLogin:
             mode = pool.mode
             self.transaction_pooling = mode != "session"
             self.statement_pooling = mode == "statement"
+            self.refuse_query = proxy.config.disable_pqexec
             self.tracker = self._new_tracker(mode)
         self._auth = ClientAuthExchange(
             method, self.user, secret, scram_iterations=proxy.auth.scram_iterations
@@ -438,6 +439,7 @@ class ClientLogin:
             or pool.settings.max_db_client_connections  # (a plan would not count them)
             or pool.settings.max_user_client_connections
             or proxy.config.application_name_add_host  # (a plan would reuse one address)
+            or proxy.config.disable_pqexec  # (a plan does not carry it)
             or self.tls
             or proxy.config.pgbouncer is not None
             or proxy.client_tls.mode != "disable"

@@ -129,6 +129,9 @@ class MessageModeRelay:
             return
         if not messages:
             return
+        if self.refuse_query and any(kind == _Q for kind, _ in messages):
+            self._refuse_simple_query()
+            return
         owed = 0
         terminate = False
         size = 0

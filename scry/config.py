@@ -756,6 +756,10 @@ class Config(_Model):
     peers: dict[int, str] = Field(default_factory=dict)
     #: This instance's id among its peers (PgBouncer's peer_id); see scry.peering.
     peer_id: Int = Field(0, ge=0, le=16383)
+    #: PgBouncer's disable_pqexec: a client that sends a simple Query (which may
+    #: carry several statements, a help to SQL injection) is disconnected; only
+    #: the extended protocol is served.
+    disable_pqexec: bool = False
     #: PgBouncer's so_reuseport: other scry instances, each its own process and
     #: config, may serve listen_addr too, on purpose (the kernel spreads new
     #: connections over them). Without it a second instance is refused.

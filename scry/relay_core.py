@@ -104,7 +104,8 @@ class PyClientCore:
         "_early_syncs", "_messages", "_paused_waiting", "_plan", "_queue", "_queued_bytes",
         "_queued_owed", "_retried", "_salt", "_scanner", "_syncs_since_execute", "_unnamed_open",
         "_unsynced", "answered", "context", "inflight", "last_active", "observed", "ordinal",
-        "params", "parked", "pins", "pool", "proxy", "server", "state", "statement_pooling",
+        "params", "parked", "pins", "pool", "proxy", "refuse_query", "server", "state",
+        "statement_pooling",
         "stats", "t_acquired", "tracker", "transaction_pooling", "transport", "unanswered",
         "waiting_since",
         # ClientConnection's own (struct members too, so that a login sets them in C)
@@ -124,6 +125,7 @@ class PyClientCore:
         self.server = None
         self.transaction_pooling = True
         self.statement_pooling = False
+        self.refuse_query = False  # disable_pqexec: a simple Query ends the connection
         self.tracker = None  # transaction and hybrid modes
         self.parked = False  # holding a server between transactions (see Pool.parked)
         self.ordinal = 0  # ReadyForQuery messages owed to this client, ever

@@ -412,7 +412,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "track_extra_parameters": Key("IntervalStyle", handler=_tracked),
     "ignore_startup_parameters": Key("", handler=_compat("ignore_startup_parameters", as_list)),
     "peer_id": Key("0", changeable=False, handler=_peer_id),
-    "disable_pqexec": Key("0", changeable=False, why="the simple query protocol stays enabled"),
+    "disable_pqexec": Key("0", changeable=False, handler=_to("disable_pqexec", as_bool)),
     "application_name_add_host": Key("0", handler=_to("application_name_add_host", as_bool)),
     "conffile": Key(None, handler=lambda b, k, e: None),
     "service_name": Key("pgbouncer", changeable=False, handler=lambda b, k, e: None),

@@ -365,3 +365,33 @@ def test_idle_backends_killed(scry_proxy, pg, backend_count, wait_until) -> None
     finally:
         client.close()
     assert "server closed" in proxy.log_text() or "server error while idle" in proxy.log_text()
+
+
+async def test_disable_pqexec_refuses_simple_queries_only(scry_proxy) -> None:
+    """PgBouncer's disable_pqexec: the extended protocol is served; a client
+    that sends a simple Query (psql does) is disconnected with 08P01."""
+    import asyncpg
+
+    from tests.integration.test_core_auth import run_psql
+
+    proxy = scry_proxy({"disable_pqexec": True, "pool": {"mode": "session"}})
+    dsn = proxy.dsn()
+    extended, bystander = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        assert await extended.fetchval("select $1::int + 1", 41) == 42  # Parse/Bind/Execute
+        with pytest.raises(asyncpg.PostgresError) as caught:
+            await extended.execute("select 1")  # asyncpg sends this as a simple Query
+        assert "PQexec disallowed" in str(caught.value), (caught.value.sqlstate, caught.value)
+        assert extended.is_closed()
+        assert await bystander.fetchval("select $1::text", "still here") == "still here"
+    finally:
+        await extended.close()
+        await bystander.close()
+    proc = run_psql(proxy.port, "app", "app_pass", "select 1")
+    assert proc.returncode != 0 and "PQexec disallowed" in proc.stderr, proc.stderr
+    # psycopg's ClientCursor binds on the client and sends simple Queries.
+    with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor, autocommit=True) as conn:
+        with pytest.raises(psycopg.OperationalError) as refused:
+            conn.execute("select %s", (1,))
+        assert refused.value.sqlstate == "08P01", refused.value
+    assert proxy.log_text().count("simple query refused (disable_pqexec)") == 3

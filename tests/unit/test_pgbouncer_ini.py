@@ -408,12 +408,12 @@ def test_so_reuseport_socket_directory_peers_and_scram_iterations(tmp_path: Path
     # The multi-process layout of PgBouncer's docs: each process its own
     # peer_id and socket directory, every peer named by its directory.
     extra = (
-        "so_reuseport = 1\npeer_id = 1\nscram_iterations = 10000\n"
+        "so_reuseport = 1\npeer_id = 1\nscram_iterations = 10000\ndisable_pqexec = 1\n"
         "[peers]\n1 = host=/run/pgb1\n2 = host=/run/pgb2 port=6433\n"
     )
     config, warnings = load_minimal(tmp_path, extra)
     assert warnings == []
-    assert config.so_reuseport and config.peer_id == 1
+    assert config.so_reuseport and config.peer_id == 1 and config.disable_pqexec
     assert config.auth is not None and config.auth.scram_iterations == 10000
     assert config.peers == {2: "/run/pgb2/.s.PGSQL.6433"}
     # Below RFC 7677's 4096 (PgBouncer allows it; scramp does not): reported.
