@@ -314,6 +314,11 @@ class TimeoutsConfig(_Model):
     server_lifetime: Seconds = 3600
     server_idle_timeout: Seconds = 600
     server_connect_timeout: Seconds = 15
+    #: The longest wait between retries of a failing server login: 0.2 s,
+    #: doubling up to this (at least 0.1 s); and how often a login is tried
+    #: after half a minute of failures while the breaker is open.
+    #: PgBouncer's default is 15, which it always waits.
+    server_login_retry: Seconds = 5
     client_login_timeout: Seconds = 60
     server_check_delay: Seconds = 30
     server_check_query: str = "select 1"

@@ -447,18 +447,21 @@ class Pool(PoolCore):
             while self.waiters:
                 self.waiters.popleft().fail_waiting(sqlstate, text)
         elif self.waiters and self._retry_handle is None:
-            delay = min(5.0, 0.1 * 2 ** min(self._connect_failures, 6))
+            cap = self.proxy.config.timeouts.server_login_retry
+            delay = max(0.1, min(cap, 0.1 * 2 ** min(self._connect_failures, 12)))
             self._retry_handle = asyncio.get_running_loop().call_later(delay, self._retry)
 
     def probe_login(self, now: float) -> None:
         """One server login to see whether PostgreSQL is back (the breaker is open).
 
         Every second for the first half minute of failures (a restart is over
-        by then), then every 5 s, so a long outage logs a line per 5 s, not per second.
+        by then), then every ``server_login_retry`` (5 s), so a long outage logs
+        a line per 5 s, not per second.
         """
         if now < self._next_probe_at or self.paused or self.connecting or self.full:
             return
-        self._next_probe_at = now + (1.0 if self._connect_failures < 30 else 5.0)
+        retry = self.proxy.config.timeouts.server_login_retry
+        self._next_probe_at = now + (1.0 if self._connect_failures < 30 else max(1.0, retry))
         self._spawn()
 
     def _retry(self) -> None:

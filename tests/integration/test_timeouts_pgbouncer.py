@@ -490,3 +490,43 @@ def test_server_check_query_after_delay(scry_proxy, pg) -> None:
     # The failed check replaces the server; the client never sees the failure.
     assert pid_of("chk_fail") != first_fail
     assert "server_check_query failed" in proxy.log_text()
+
+
+@pytest.mark.parametrize("retry", [None, 0.2], ids=["default", "server_login_retry=0.2"])
+def test_server_login_retry_bounds_the_wait_between_failed_logins(scry_proxy, pg, retry) -> None:
+    """A queued client's server cannot log in (the role's CONNECTION LIMIT is
+    taken by the pool's other server): logins are retried 0.2 s, 0.4 s, ...
+    apart, never more than server_login_retry."""
+    from tests.integration.test_auth_query import new_role
+
+    role = new_role(pg, "retry_pass")
+    pg.psql(f"ALTER ROLE {role} CONNECTION LIMIT 1", dbname="postgres")
+    timeouts = {"query_wait_timeout": 20, **({"server_login_retry": retry} if retry else {})}
+    proxy = scry_proxy({
+        "database_url": f"postgres://{role}:retry_pass@127.0.0.1:{pg.port}/app",
+        "auth": {"type": "trust"},
+        "pool": {"mode": "transaction", "size": 2},
+        "circuit_breaker": {"enabled": False},  # (it would answer the client instead)
+        "timeouts": timeouts,
+    })  # fmt: skip
+    holder = connect(proxy, autocommit=False)
+    holder.execute("select 1")  # (the role's only server, held by an open transaction)
+    answers: list[Any] = []
+
+    def wait_for_a_server() -> None:
+        with connect(proxy) as conn:
+            answers.append(conn.execute("select 2").fetchone())
+
+    waiter = threading.Thread(target=wait_for_a_server)
+    waiter.start()
+    wait_for(lambda: "server connection failed" in proxy.log_text(), 5, "a first failed login")
+    time.sleep(2.5)  # (the window the retries are counted in)
+    failed = proxy.log_text().count("server connection failed")
+    if retry:
+        assert failed >= 9, failed  # about every 0.2 s
+    else:
+        assert 3 <= failed <= 5, failed  # 0.2, 0.4, 0.8, 1.6 s apart
+    holder.commit()  # its server goes to the waiting client
+    waiter.join(10)
+    assert answers == [(2,)]
+    holder.close()

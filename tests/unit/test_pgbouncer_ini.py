@@ -47,7 +47,7 @@ query_wait_timeout = 30
 server_lifetime = 1h
 idle_transaction_timeout = 1.5
 tcp_keepcnt = 5
-server_login_retry = 30
+suspend_timeout = 20
 log_connections = 1
 tcp_keepalive = 1
 logfile = /var/log/pgbouncer/pgbouncer.log
@@ -73,6 +73,7 @@ INCLUDED = """\
 ; repeated keys: the last one wins (this file is read after the lines above)
 default_pool_size = 25
 tcp_keepcnt = 7
+suspend_timeout = 20
 server_login_retry = 30
 server_round_robin = 1
 server_fast_close = 1
@@ -105,6 +106,7 @@ def test_effective_config(ini_path: Path) -> None:
     assert 0 < config.timeouts.server_check_delay < 0.001  # PgBouncer's 0 = check every time
     assert config.max_packet_size == 2147483647
     assert config.pool.server_round_robin and config.pool.server_fast_close  # from %include
+    assert config.timeouts.server_login_retry == 30
     assert (config.tcp_keepalive, config.tcp_keepcnt) == (True, 7)  # the include's 7 wins
 
     targets = config.targets()
@@ -150,9 +152,9 @@ def test_effective_config(ini_path: Path) -> None:
 def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
     _, warnings = load_pgbouncer_config(ini_path, env={})
     unsupported = sorted(w.split(" ")[2] for w in warnings if w.startswith("not supported: "))
-    # server_login_retry is set twice, reported once; tcp_keepalive = 1 and
+    # suspend_timeout is set twice, reported once; tcp_keepalive = 1 and
     # log_connections = 1 are PgBouncer's defaults: nothing to report.
-    assert unsupported == ["server_login_retry"], warnings
+    assert unsupported == ["suspend_timeout"], warnings
     assert not any("max_user_connections" in w for w in warnings)  # in effect
     assert any(w.startswith("differs: listen_addr") for w in warnings)
     assert len(warnings) == len(set(warnings))
