@@ -502,6 +502,13 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
               user=self.user, db=self.database)  # fmt: skip
         self.fatal(PROTOCOL_VIOLATION, "PQexec disallowed (disable_pqexec)")
 
+    @property
+    def keeps_its_server(self) -> bool:
+        """Between transactions too: session mode, or a hybrid client pinned by
+        session state."""
+        tracker = self.tracker
+        return not self.transaction_pooling or (tracker is not None and tracker.pinned)
+
     def server_must_go(self, server: ServerConnection) -> None:
         """server_fast_close: RECONNECT or a reload marked the server this
         session holds (Pool.close_sessions_fast). Once no transaction is open
@@ -511,8 +518,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         if not self.between_transactions():
             return  # (at the end of this transaction)
         server.close_needed = False
-        tracker = self.tracker
-        if self.transaction_pooling and (tracker is None or not tracker.pinned):
+        if not self.keeps_its_server:
             self.on_server_ready(server)  # (back to the pool, which closes it)
             return
         if self.reclaim_pinned_server("server_fast_close"):

@@ -702,10 +702,7 @@ class Pool(PoolCore):
         Transaction-pooled clients give theirs back at that point anyway."""
         for server in list(self.servers):
             client = server.client
-            if client is None or client.parked:
-                continue
-            tracker = client.tracker
-            if client.transaction_pooling and (tracker is None or not tracker.pinned):
+            if client is None or client.parked or not client.keeps_its_server:
                 continue
             server.close_needed = True
             client.server_must_go(server)

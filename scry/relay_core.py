@@ -105,9 +105,8 @@ class PyClientCore:
         "_queued_owed", "_retried", "_salt", "_scanner", "_syncs_since_execute", "_unnamed_open",
         "_unsynced", "answered", "context", "inflight", "last_active", "observed", "ordinal",
         "params", "parked", "pins", "pool", "proxy", "refuse_query", "server", "state",
-        "statement_pooling",
-        "stats", "t_acquired", "tracker", "transaction_pooling", "transport", "unanswered",
-        "waiting_since",
+        "statement_pooling", "stats", "t_acquired", "tracker", "transaction_pooling",
+        "transport", "unanswered", "waiting_since",
         # ClientConnection's own (struct members too, so that a login sets them in C)
         "_addr", "_auth", "_last_text", "_named_texts", "_paused_by_server", "_reader",
         "_startup_buf", "_unnamed_rest", "_unnamed_text", "application_name", "cancel_key",
