@@ -17,7 +17,6 @@ import errno
 import logging
 import secrets
 import signal
-import socket
 import sys
 from collections import deque
 from collections.abc import Coroutine
@@ -30,7 +29,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from scry.devcluster import DevCluster, DevClusterError
+from scry.devcluster import DevCluster, DevClusterError, free_port
 from scry.workload import (
     KINDS,
     WorkloadError,
@@ -194,12 +193,6 @@ def render_status(
 # --------------------------------------------------------------------------- #
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _config(cluster: DevCluster, mode: str, port: int) -> Config:
     from scry.config import Config
 
@@ -223,7 +216,7 @@ async def _start_proxy(cluster: DevCluster, mode: str, port: int, console: Conso
     wanted = port
     for attempt in range(5):
         if port == 0:
-            port = _free_port()
+            port = free_port()
         proxy = Proxy(_config(cluster, mode, port))
         try:
             await proxy.start()

@@ -114,10 +114,20 @@ def find_pg_bindir() -> Path:
     )
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+_ports_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on, never handed out before by this process:
+    a port is not taken until its server binds it, and two picks in a row may
+    otherwise get the same one (a proxy and its admin API, say)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _ports_handed_out:
+            _ports_handed_out.add(port)
+            return port
 
 
 def _conf_quote(value: str) -> str:
@@ -358,7 +368,7 @@ class DevCluster:
         self._own_base_dir = base_dir is None
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix=prefix)).resolve()
         self._port_given = port is not None
-        self.port: int = port if port is not None else _free_port(self.host)
+        self.port: int = port if port is not None else free_port(self.host)
         self.ssl = ssl
         self.extra_conf: dict[str, str] = dict(extra_conf or {})
         self.data_dir = self.base_dir / "data"
@@ -757,7 +767,7 @@ class DevCluster:
             except DevClusterError:
                 # Someone grabbed our port between choosing and binding it.
                 if attempt + 1 < attempts and "already in use" in self._log_tail(10):
-                    self.port = _free_port(self.host)
+                    self.port = free_port(self.host)
                     self._set_conf("port", str(self.port))
                     log.info("port collision; retrying on %d", self.port)
                     continue

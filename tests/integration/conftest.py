@@ -29,17 +29,11 @@ import psycopg
 import pytest
 import yaml
 
-from scry.devcluster import DevCluster
+from scry.devcluster import DevCluster, free_port
 
 READY_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

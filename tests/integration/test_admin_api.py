@@ -9,7 +9,6 @@ bounded schemathesis run against the served OpenAPI document.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -18,20 +17,16 @@ import httpx
 import psycopg
 import pytest
 
+from scry.devcluster import free_port
+
 TOKEN = "t0k-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CANARY = "canary-7d1e"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_admin_proxy(scry_proxy, admin: dict[str, Any] | None = None, **overrides: Any):
     """A running proxy (hybrid, pool of 3) with its admin API; returns (proxy, base URL)."""
-    port = _free_port()
+    port = free_port()
     settings: dict[str, Any] = {"enabled": True, "listen_addr": f"127.0.0.1:{port}"}
     settings["token"] = TOKEN
     settings.update(admin or {})

@@ -20,16 +20,12 @@ import httpx
 import psycopg
 import pytest
 
+from scry.devcluster import free_port
+
 TOKEN = "t0k-tail"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CANARY = "canary-tail-5f3a"
 SCRY = Path(sys.executable).with_name("scry")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_admin(base: str, proxy) -> None:
@@ -46,7 +42,7 @@ def _wait_admin(base: str, proxy) -> None:
 
 @pytest.fixture
 def tail_proxy(scry_proxy):
-    port = _free_port()
+    port = free_port()
     proxy = scry_proxy(
         {"admin": {"enabled": True, "listen_addr": f"127.0.0.1:{port}", "token": TOKEN}}
     )
@@ -260,7 +256,7 @@ def test_scry_tail_unreachable_and_bad_token(tail_proxy) -> None:
     done = subprocess.run([str(SCRY), "tail", base], capture_output=True, text=True, env=env, timeout=20)  # fmt: skip
     assert done.returncode == 1 and "wrong token" in done.stderr
     done = subprocess.run(
-        [str(SCRY), "tail", f"127.0.0.1:{_free_port()}"],
+        [str(SCRY), "tail", f"127.0.0.1:{free_port()}"],
         capture_output=True,
         text=True,
         env=_env(),

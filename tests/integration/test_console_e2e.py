@@ -4,7 +4,6 @@ admin API only), and ``scry screenshot`` writing SVGs of it."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import psycopg
 import pytest
 from textual.widgets import DataTable
 
+from scry.devcluster import free_port
 from scry_tui.app import ScryConsole
 from scry_tui.screens import DetailScreen
 from scry_tui.targets import make_target
@@ -29,15 +29,9 @@ SCRY = Path(sys.executable).with_name("scry")
 MARKER = "console_e2e_marker"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def admin_proxy(scry_proxy):
-    port = _free_port()
+    port = free_port()
     proxy = scry_proxy(
         {
             "pool": {"mode": "hybrid", "size": 4},

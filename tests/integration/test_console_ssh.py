@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scry.devcluster import free_port
 from scry_tui.app import ScryConsole
 from scry_tui.targets import make_target
 from scry_tui.testing import refreshed
@@ -29,12 +30,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def sshd(tmp_path: Path) -> Iterator[tuple[int, tuple[str, ...]]]:
     """A throwaway sshd on 127.0.0.1; yields (port, ssh client options)."""
@@ -44,7 +39,7 @@ def sshd(tmp_path: Path) -> Iterator[tuple[int, tuple[str, ...]]]:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)  # fmt: skip
     (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
     os.chmod(d / "authorized_keys", 0o600)
-    port = _free_port()
+    port = free_port()
     (d / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
         f"AuthorizedKeysFile {d / 'authorized_keys'}\nStrictModes no\nUsePAM no\n"
@@ -80,7 +75,7 @@ def sshd(tmp_path: Path) -> Iterator[tuple[int, tuple[str, ...]]]:
 
 @pytest.fixture
 def admin_proxy(scry_proxy):
-    port = _free_port()
+    port = free_port()
     proxy = scry_proxy({"admin": {"enabled": True, "listen_addr": f"127.0.0.1:{port}", "token": TOKEN}})  # fmt: skip
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,19 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from scry.devcluster import DevClusterError, find_pg_bindir
+from scry.devcluster import DevClusterError, find_pg_bindir, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRY = Path(sys.executable).with_name("scry")
 
 CLUSTER_LINE = re.compile(r"data dir (?P<datadir>\S+), pid (?P<pid>\d+)\)")
 RAN_LINE = re.compile(r"ran (?P<n>\d+) queries")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +81,7 @@ def _assert_ran_queries(output: str) -> int:
 
 
 def test_demo_runs_for_duration_and_cleans_up() -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.run(
         [str(SCRY), "demo", "--duration", "6", "--clients", "4", "--port", str(port)],
         cwd=REPO,

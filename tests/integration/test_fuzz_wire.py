@@ -25,6 +25,8 @@ import httpx
 import psycopg
 import pytest
 
+from scry.devcluster import free_port
+
 PROTOCOL_3 = 196608
 POOL_SIZE = 2
 DATABASES = {"fz_tx": "transaction", "fz_session": "session", "fz_hybrid": "hybrid"}
@@ -316,9 +318,7 @@ def test_wire_fuzz_many_clients(scry_proxy, pg) -> None:
         conn.execute("drop table if exists fz_copy")
         conn.execute("create table fz_copy (x int)")
     url = pg.url(options="-c statement_timeout=3000")  # caps what a mutated query can cost
-    with socket.socket() as s:  # the admin API, for a state dump when something is stuck
-        s.bind(("127.0.0.1", 0))
-        admin_port = s.getsockname()[1]
+    admin_port = free_port()  # the admin API, for a state dump when something is stuck
     proxy = scry_proxy(
         {
             "database_url": None,

@@ -21,8 +21,8 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from scry.devcluster import DevCluster
-from tests.integration.conftest import free_port, wait_until
+from scry.devcluster import DevCluster, free_port
+from tests.integration.conftest import wait_until
 from tests.integration.test_admin_api import get, start_admin_proxy
 from tests.integration.test_wire_cancel import Sleeper, running
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import socket
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -29,6 +28,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
+from scry.devcluster import free_port
 from scry.observe.events import read_events
 from scry.observe.fingerprint import Fingerprinter
 
@@ -41,9 +41,7 @@ def events_config(path: Path, **observability) -> dict:
 
 def admin_config() -> tuple[dict, str]:
     """An admin API on a free loopback port (no token: GETs are open on loopback)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     return {
         "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{port}"}
     }, f"http://127.0.0.1:{port}"

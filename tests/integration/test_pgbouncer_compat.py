@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from scry.devcluster import DevCluster
+from scry.devcluster import DevCluster, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
@@ -95,12 +95,6 @@ SHOWS = [
 ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Bouncer:
     """A running pooler (PgBouncer or scry-pgbouncer) on its own port."""
 
@@ -108,7 +102,7 @@ class Bouncer:
         self.kind = kind
         self.pg = pg
         self.dir = directory
-        self.port = _free_port()
+        self.port = free_port()
         self.ini = directory / f"{kind}.ini"
         self.write_ini()
         self.proc: subprocess.Popen[bytes] | None = None

@@ -13,7 +13,6 @@ import asyncio
 import io
 import os
 import re
-import socket
 import struct
 import subprocess
 import threading
@@ -39,6 +38,8 @@ from rawpg import (
     parse,
     q,
 )
+
+from scry.devcluster import free_port
 
 MODES = ["session", "transaction", "hybrid"]
 PSQL = "/usr/bin/psql"
@@ -530,9 +531,7 @@ def test_sync_inside_failing_copy_never_frees_the_server_early(
     # server to the next client after the first one, and the second would
     # reach that client as a stray answer. Both servers are busy so that a
     # waiting client gets the server the moment it looks free.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        admin_port = s.getsockname()[1]
+    admin_port = free_port()
     proxy = scry_proxy(
         {
             "pool": {"mode": "transaction", "size": 2},

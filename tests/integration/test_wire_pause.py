@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -18,13 +17,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from scry.devcluster import free_port
+
 TOKEN = "wire-pause-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_proxy(scry_proxy, mode: str, size: int = 2):

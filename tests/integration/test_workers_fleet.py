@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from scry.config import load_config
+from scry.devcluster import free_port
 from scry.workers import resolve_workers, share, worker_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -224,15 +225,12 @@ def test_killed_worker_is_replaced(scry_proxy, admin_dsn, wait_until) -> None:
 
 def test_breaker_open_on_one_worker_protects_all(scry_proxy, wait_until) -> None:
     """Worker 0 serves the admin API; a trip there opens every worker's breaker."""
-    import socket
 
     import httpx
 
     from admin.schemas import API_PREFIX
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        admin_port = s.getsockname()[1]
+    admin_port = free_port()
     proxy = scry_proxy(
         {
             "workers": 4,

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import threading
 import time
 from typing import Any
@@ -26,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from admin.schemas import API_PREFIX
+from scry.devcluster import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -75,9 +75,7 @@ class Admin:
 
 def start_fleet(scry_proxy, workers: int, wait_until, **overrides: Any) -> tuple[Any, Admin]:
     """A proxy with ``workers`` workers and worker 0's admin API, every worker answering."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        admin_port = s.getsockname()[1]
+    admin_port = free_port()
     config = {
         "workers": workers,
         "pool": {"size": 2 * workers},
@@ -436,9 +434,7 @@ def test_health_driven_opening_on_one_worker_protects_all(scry_proxy, wait_until
 
 def test_one_worker_answers_as_a_single_process(scry_proxy, wait_until) -> None:
     """workers: 1 (the default): no fleet fields, plain ids, ?worker=0 only."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        admin_port = s.getsockname()[1]
+    admin_port = free_port()
     proxy = scry_proxy(
         {"admin": {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}", "token": TOKEN}}
     )
