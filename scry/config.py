@@ -756,8 +756,8 @@ class Config(_Model):
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     workers: int | Literal["auto"] = 1
-    #: peer id -> "host:port" of another scry instance, for cancel forwarding,
-    #: or the path of its Unix socket (PgBouncer's ``[peers] host=/dir``).
+    #: peer id -> "host:port" of another scry instance, for cancel forwarding; a
+    #: host that is a directory means the Unix socket in it (``[peers] host=/dir``).
     peers: dict[int, str] = Field(default_factory=dict)
     #: This instance's id among its peers (PgBouncer's peer_id); see scry.peering.
     peer_id: Int = Field(0, ge=0, le=16383)
@@ -819,8 +819,6 @@ class Config(_Model):
         for peer_id, addr in value.items():
             if not 0 <= peer_id <= 16383:
                 raise _problem(str(peer_id), "a peer id is 0..16383")
-            if addr.startswith("/"):
-                continue  # a Unix socket's path
             try:
                 split_host_port(addr)
             except ValueError as exc:

@@ -69,6 +69,7 @@ from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition
 from scry.config import split_host_port
 from scry.log import event
 from scry.protocol.startup import CANCEL_REQUEST_CODE, cancel_request
+from scry.server import send_cancel_request
 
 if TYPE_CHECKING:
     from scry.proxy import Proxy
@@ -321,7 +322,8 @@ class Peering:
                 self.dropped += 1
                 return
             self.forwarded += 1
-            self._spawn(_send_peer_cancel(addr, pid | VIA_PEER, secret))
+            address = split_host_port(addr)
+            self._spawn(send_cancel_request(address, pid | VIA_PEER, secret, to="peer"))
             return
         if pid & VIA_LOCAL or self.dir is None:
             self.dropped += 1
@@ -467,18 +469,3 @@ async def _send_unix(path: Path, payload: bytes) -> None:
         writer.close()
     except (OSError, TimeoutError):
         pass  # that worker is gone (restarting, or an instance that just stopped)
-
-
-async def _send_peer_cancel(addr: str, pid: int, secret: int) -> None:
-    """A CancelRequest to a peer at ``host:port`` or at a Unix socket's path."""
-    if addr.startswith("/"):
-        connecting = asyncio.open_unix_connection(addr)
-    else:
-        connecting = asyncio.open_connection(*split_host_port(addr))
-    try:
-        _, writer = await asyncio.wait_for(connecting, CONNECT_TIMEOUT)
-        writer.write(cancel_request(pid, secret))
-        await writer.drain()
-        writer.close()
-    except (OSError, TimeoutError) as exc:
-        event("cancel request could not reach peer", logging.WARNING, peer=addr, error=str(exc))

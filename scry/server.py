@@ -886,22 +886,27 @@ def settings_sql(applied: dict[str, str], wanted: dict[str, str]) -> str:
     return ";".join(parts)
 
 
-async def send_cancel_request(address: tuple[str, int], pid: int, secret: int) -> None:
-    """Open a fresh connection to the backend's server (the host its connection
-    went to) and send a CancelRequest."""
+async def send_cancel_request(
+    address: tuple[str, int], pid: int, secret: int, to: str = "the server"
+) -> None:
+    """Open a fresh connection to ``address`` (a backend's server, the host its
+    connection went to; or a peer scry) and send a CancelRequest. A host that
+    is a directory means the Unix socket in it, as in libpq."""
     host, port = address
     try:
         if host.startswith("/"):
-            reader, writer = await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
+            connecting = asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
         else:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+            connecting = asyncio.open_connection(host, port)
+        reader, writer = await asyncio.wait_for(connecting, 5)
         writer.write(cancel_request(pid, secret))
         await writer.drain()
-        # PostgreSQL closes the connection once it has signalled the backend.
+        # PostgreSQL (and a peer) closes the connection once it has acted on it.
         await asyncio.wait_for(reader.read(), 5)
         writer.close()
     except (TimeoutError, OSError) as exc:
-        event("cancel request could not reach the server", logging.WARNING, error=str(exc))
+        event(f"cancel request could not reach {to}", logging.WARNING,
+              addr=f"{host}:{port}", error=str(exc))  # fmt: skip
 
 
 def random_secret() -> int:

@@ -727,13 +727,12 @@ def _peers(builder: _Builder) -> None:
         host = params.get("host", "")
         port = params.get("port", "6432")
         if not host or host.startswith("@"):
-            builder.unsupported("[peers] host", "a peer is a TCP address or a socket directory")
+            builder.unsupported("[peers] host", "a peer is a host or a socket directory")
             continue
         if "pool_size" in params:
             builder.unsupported("[peers] pool_size", "cancel requests to peers are not pooled")
-        # (A directory, as unix_socket_dir: the peer's socket in it, as libpq finds it.)
-        unix = host.startswith("/")
-        peers[peer_id] = f"{host}/.s.PGSQL.{port}" if unix else join_host_port(host, port)
+        # (A host that is a directory, as unix_socket_dir: the peer's socket in it.)
+        peers[peer_id] = join_host_port(host, port)
     if peers:
         builder.data["peers"] = peers
 

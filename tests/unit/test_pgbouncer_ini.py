@@ -417,7 +417,7 @@ def test_so_reuseport_socket_directory_peers_and_scram_iterations(tmp_path: Path
     assert warnings == []
     assert config.so_reuseport and config.peer_id == 1 and config.disable_pqexec
     assert config.auth is not None and config.auth.scram_iterations == 10000
-    assert config.peers == {2: "/run/pgb2/.s.PGSQL.6433"}
+    assert config.peers == {2: "/run/pgb2:6433"}
     # Below RFC 7677's 4096 (PgBouncer allows it; scramp does not): reported.
     config, warnings = load_minimal(tmp_path, "scram_iterations = 1024\n")
     assert warnings == ["not supported: scram_iterations (below 4096, RFC 7677's floor)"]
