@@ -69,7 +69,6 @@ from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition
 from scry.config import split_host_port
 from scry.log import event
 from scry.protocol.startup import CANCEL_REQUEST_CODE, cancel_request
-from scry.server import send_cancel_request
 
 if TYPE_CHECKING:
     from scry.proxy import Proxy
@@ -322,6 +321,11 @@ class Peering:
                 self.dropped += 1
                 return
             self.forwarded += 1
+            # (Imported here: the compiled relay imports this module, and
+            # scry.server imports the relay's core, so a module-level import
+            # would leave scry._relay half-made and the relay uncompiled.)
+            from scry.server import send_cancel_request
+
             address = split_host_port(addr)
             self._spawn(send_cancel_request(address, pid | VIA_PEER, secret, to="peer"))
             return

@@ -20,3 +20,15 @@ def test_protocol_layer_does_not_import_asyncio() -> None:
     for path in (ROOT / "scry" / "protocol").glob("*.py"):
         text = path.read_text()
         assert "import asyncio" not in text and "from asyncio" not in text, path
+
+
+def test_the_compiled_relay_is_used_when_it_was_built() -> None:
+    # An import cycle through scry._relay makes relay_core fall back to the
+    # pure-Python twins without a word (and the compiled-path tests skip).
+    built = list((ROOT / "scry").glob("_relay.*.so"))
+    result = subprocess.run(
+        [sys.executable, "-c", "import scry.relay_core as r; print(r.COMPILED)"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("True" if built else "False"), (built, result.stdout)
