@@ -145,6 +145,7 @@ def serve(
 
 def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None) -> int:
     """``scry serve --pgbouncer-config``: the same conversion as scry-pgbouncer."""
+    from scry.pgbouncer.account import AccountError, find_account
     from scry.pgbouncer.cli import _setup_logging, run
     from scry.pgbouncer.ini import IniError, load_pgbouncer_config
 
@@ -158,10 +159,14 @@ def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None) -> int
         cfg, warnings = load_pgbouncer_config(ini)
     except IniError as exc:
         raise _fail(f"config error: {exc}") from None
+    try:
+        account = find_account(cfg.pgbouncer.user) if cfg.pgbouncer.user else None
+    except AccountError as exc:
+        raise _fail(str(exc)) from None
     for warning in warnings:
         typer.echo(f"scry: {warning}", err=True)
-    _setup_logging(cfg, quiet=False, logfile=cfg.pgbouncer.logfile)
-    return run(cfg, warnings)
+    _setup_logging(cfg, quiet=False, logfile=cfg.pgbouncer.logfile, owner=account)
+    return run(cfg, warnings, account)
 
 
 @app.command("check-config")

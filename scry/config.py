@@ -492,6 +492,9 @@ class PgbouncerCompatConfig(_Model):
     unix_socket_group: str | None = None
     logfile: str | None = None
     pidfile: str | None = None
+    #: The operating-system user to switch to after startup (``user``; ``-u``
+    #: wins), when started as root: scry.pgbouncer.account.
+    user: str | None = None
     ignore_startup_parameters: list[str] = Field(default_factory=list)
     #: Seconds over which SHOW STATS averages are computed.
     stats_period: Int = Field(60, ge=1)

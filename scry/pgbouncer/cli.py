@@ -6,7 +6,8 @@ argparse rather than Typer here: the point is to accept exactly PgBouncer's
 switches. The pgbouncer.ini is converted by :mod:`scry.pgbouncer.ini`; every
 setting scry does not honour is printed once at start. ``logfile`` and
 ``pidfile`` are honoured; ``-d`` daemonizes (double fork) and, as PgBouncer,
-needs ``pidfile`` and ``logfile``.
+needs ``pidfile`` and ``logfile``. ``user`` (or ``-u``) switches a process
+started as root to that user before it listens (scry.pgbouncer.account).
 
 Signals are PgBouncer's: SIGHUP re-reads the pgbouncer.ini (RELOAD), SIGINT
 waits for servers (SHUTDOWN WAIT_FOR_SERVERS), SIGTERM waits for clients
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import pwd
 import signal
 import sys
 from collections.abc import Sequence
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from scry import __version__
 from scry.log import event, logger, setup_logging
+from scry.pgbouncer.account import AccountError, become, find_account, hand_over
 
 PROG = "scry-pgbouncer"
 USAGE = f"""{PROG} is a PostgreSQL connection pooler (scry, PgBouncer-compatible).
@@ -39,7 +42,7 @@ Options:
   -d, --daemon         run in background (as a daemon)
   -q, --quiet          run quietly
   -R, --reboot         do an online reboot (not supported by scry)
-  -u, --user=USERNAME  assume identity of USERNAME (not supported by scry)
+  -u, --user=USERNAME  assume identity of USERNAME
   -v, --verbose        increase verbosity
   -V, --version        show version, then exit
   -h, --help           show this help, then exit
@@ -80,8 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "-R (online reboot) is deprecated in PgBouncer and not supported: restart with "
             "a second instance on the same port instead (scry serve --workers / so_reuseport)"
         )
-    if args.user:
-        return _fail("-u is not supported: start scry as the user it should run as")
     if not args.config:
         return _fail("need config file", 2)
 
@@ -93,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"config error: {exc}")
     compat = config.pgbouncer
     assert compat is not None
+    account = None
+    if args.user or compat.user:  # -u wins over the ini, as in PgBouncer
+        try:
+            account = find_account(args.user or compat.user)
+        except AccountError as exc:
+            return _fail(str(exc))
     if args.daemon and not compat.pidfile:
         return _fail("daemon mode needs pidfile configured")
     if args.daemon and not compat.logfile:
@@ -111,11 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _daemonize()
     if pidfile:
         Path(pidfile).write_text(f"{os.getpid()}\n")
+        hand_over(pidfile, account)
     try:
-        _setup_logging(config, quiet=args.quiet or args.daemon, logfile=compat.logfile)
+        _setup_logging(
+            config, quiet=args.quiet or args.daemon, logfile=compat.logfile, owner=account
+        )
         for warning in warnings:
             event(warning, logging.WARNING)
-        return run(config, warnings)
+        return run(config, warnings, account)
     finally:
         if pidfile:
             with contextlib.suppress(OSError):
@@ -158,7 +168,10 @@ def _daemonize() -> None:
     os.close(devnull)
 
 
-def _setup_logging(config, *, quiet: bool, logfile: str | None) -> None:  # type: ignore[no-untyped-def]
+def _setup_logging(  # type: ignore[no-untyped-def]
+    config, *, quiet: bool, logfile: str | None, owner: pwd.struct_passwd | None = None
+) -> None:
+    made = bool(logfile) and not os.path.exists(logfile)  # (an existing one keeps its owner)
     setup_logging(config.log.level, config.log.format, path=logfile if quiet else None)
     if logfile and not quiet:  # PgBouncer: logfile does not turn off stderr; -q does
         handler = logging.FileHandler(logfile)
@@ -166,25 +179,39 @@ def _setup_logging(config, *, quiet: bool, logfile: str | None) -> None:  # type
         logger.addHandler(handler)
     elif quiet and not logfile:
         logger.handlers[:] = [logging.NullHandler()]
+    if made and logfile:
+        hand_over(logfile, owner)
 
 
-def run(config, warnings: list[str] | None = None) -> int:  # type: ignore[no-untyped-def]
-    """Serve ``config`` (from a pgbouncer.ini) until a signal stops it."""
+def run(  # type: ignore[no-untyped-def]
+    config, warnings: list[str] | None = None, account: pwd.struct_passwd | None = None
+) -> int:
+    """Serve ``config`` (from a pgbouncer.ini) until a signal stops it, as
+    ``account`` once the configuration is read."""
     try:
         import uvloop
 
-        return uvloop.run(serve(config, warnings or []))
+        return uvloop.run(serve(config, warnings or [], account))
     except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(serve(config, warnings or []))
+        return asyncio.run(serve(config, warnings or [], account))
 
 
-async def serve(config, warnings: list[str]) -> int:  # type: ignore[no-untyped-def]
+async def serve(  # type: ignore[no-untyped-def]
+    config, warnings: list[str], account: pwd.struct_passwd | None = None
+) -> int:
     """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
     from scry.pgbouncer.console import reload_pgbouncer_config, state_for
     from scry.pgbouncer.ini import IniError
     from scry.proxy import Proxy, freeze_startup_heap
 
-    proxy = Proxy(config, None)
+    proxy = Proxy(config, None)  # (reads auth_file, hba and TLS files while still root)
+    if account is not None:
+        try:
+            become(account)
+        except OSError as exc:
+            event("cannot switch user", logging.ERROR, user=account.pw_name, error=str(exc))
+            return 1
+        event("switched user", user=account.pw_name, uid=account.pw_uid)
     state = state_for(proxy)
     state.warned.update(warnings)
 

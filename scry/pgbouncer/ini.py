@@ -395,7 +395,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "unix_socket_dir": Key("/tmp", changeable=False, handler=_compat("unix_socket_dir")),
     "unix_socket_mode": Key("0777", changeable=False, handler=_compat("unix_socket_mode", _octal)),
     "unix_socket_group": Key("", changeable=False, handler=_compat("unix_socket_group")),
-    "user": Key(None, changeable=False, why="run scry as the wanted user (systemd User=)"),
+    "user": Key(None, changeable=False, handler=_compat("user")),
     "pool_mode": Key("session", handler=_to("pool.mode", lambda e: e.value.lower())),
     "max_client_conn": Key("100", handler=_to("pool.max_client_conn", as_int)),
     "default_pool_size": Key("20", handler=_to("pool.size", as_int)),

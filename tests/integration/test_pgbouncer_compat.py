@@ -114,18 +114,20 @@ class Bouncer:
         )
         _chown(self.ini)
 
-    def start(self) -> None:
+    def start(self, *args: str, as_root: bool = False) -> None:
+        """Start it (``args`` go before the ini). ``as_root``: PgBouncer too is
+        started as root, for an ini whose ``user`` it switches to."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SCRY_")}
         as_user: dict[str, object] = {}
         if self.kind == "pgbouncer":
-            cmd = [PGBOUNCER, str(self.ini)]
-            if os.getuid() == 0:
+            cmd = [PGBOUNCER, *args, str(self.ini)]
+            if os.getuid() == 0 and not as_root:
                 # PgBouncer refuses root. Switch user in the child itself (not via
                 # runuser) so that our signals reach PgBouncer and it really stops.
                 as_user = {"user": "postgres", "group": "postgres", "extra_groups": []}
         else:
             env["SCRY_ADMIN__ENABLED"] = "false"  # no HTTP admin port to collide on
-            cmd = [sys.executable, "-m", "scry.pgbouncer.cli", str(self.ini)]
+            cmd = [sys.executable, "-m", "scry.pgbouncer.cli", *args, str(self.ini)]
         out = open(self.dir / f"{self.kind}.out", "ab")  # noqa: SIM115 - closed in stop()
         self._out = out
         self.proc = subprocess.Popen(
