@@ -19,7 +19,6 @@ import secrets
 import signal
 import sys
 from collections import deque
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from scry.devcluster import DevCluster, DevClusterError, free_port
+from scry.event_loop import run as run_loop
 from scry.workload import (
     KINDS,
     WorkloadError,
@@ -389,14 +389,6 @@ async def _run_console(proxy: Proxy, stop: asyncio.Event, workload: asyncio.Task
         stop.set()
 
 
-def _run_loop(main: Coroutine[Any, Any, int]) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
 def _error(message: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(Text(message, style="red"))
 
@@ -436,7 +428,7 @@ def run_demo(
         if interrupt.seen:
             console.print("interrupted")
             return 0
-        return _run_loop(_demo(cluster, duration, clients, mode, port, console, interrupt))
+        return run_loop(_demo(cluster, duration, clients, mode, port, console, interrupt))
     except KeyboardInterrupt:  # pragma: no cover - signals are handled above
         console.print("interrupted")
         return 0

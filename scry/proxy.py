@@ -648,9 +648,6 @@ def run_proxy(
             return run_supervisor(config, config_path, workers, replace)
         identity = WorkerIdentity(instance=os.getpid(), replace=replace)
     setup_logging(config.log.level, config.log.format)
-    try:
-        import uvloop
+    from scry.event_loop import run
 
-        return uvloop.run(serve(config, config_path, identity))
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
-        return asyncio.run(serve(config, config_path, identity))
+    return run(serve(config, config_path, identity))

@@ -188,12 +188,9 @@ def run(  # type: ignore[no-untyped-def]
 ) -> int:
     """Serve ``config`` (from a pgbouncer.ini) until a signal stops it, as
     ``account`` once the configuration is read."""
-    try:
-        import uvloop
+    from scry.event_loop import run as run_loop
 
-        return uvloop.run(serve(config, warnings or [], account))
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(serve(config, warnings or [], account))
+    return run_loop(serve(config, warnings or [], account))
 
 
 async def serve(  # type: ignore[no-untyped-def]
