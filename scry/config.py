@@ -775,6 +775,13 @@ class Config(_Model):
     tls: TlsConfig = Field(default_factory=TlsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     max_packet_size: Int = Field(1073741823, ge=1024)
+    #: PgBouncer's listen_backlog: how many connections the kernel queues before
+    #: they are accepted (capped by net.core.somaxconn). PgBouncer's default is
+    #: 128; scry's rides out a burst of new connections. A reload applies it.
+    listen_backlog: Int = Field(4096, ge=1, le=65535)
+    #: PgBouncer's tcp_socket_buffer: SO_SNDBUF and SO_RCVBUF of client and server
+    #: sockets, in bytes (the kernel doubles them); 0 = the kernel's autotuning.
+    tcp_socket_buffer: Int = Field(0, ge=0, le=2147483647)
     #: PgBouncer's tcp_defer_accept (on by default on Linux, as there): the kernel
     #: hands over a new client connection with its first packet, one wakeup fewer.
     tcp_defer_accept: bool = True

@@ -107,7 +107,7 @@ class Proxy:
         # (A partial, not a lambda: no Python frame per accepted connection.)
         new_client = functools.partial(ClientConnection, self)
         if inherited:
-            server = await loop.create_server(new_client, sock=inherited[0], backlog=4096)
+            server = await loop.create_server(new_client, sock=inherited[0])
             for sock in inherited[1:]:  # an old instance with several workers
                 self.listeners.append(await loop.create_server(new_client, sock=sock))
         else:
@@ -117,7 +117,7 @@ class Proxy:
                 port,
                 reuse_address=True,
                 reuse_port=hasattr(socket, "SO_REUSEPORT"),
-                backlog=4096,
+                backlog=self.config.listen_backlog,
             )
         self.listeners.insert(0, server)
         self._tune_listeners()
@@ -220,9 +220,14 @@ class Proxy:
         self.apply_config(new)
 
     def _tune_listeners(self) -> None:
-        """TCP options of every client listener (at start, and again on reload)."""
+        """The backlog and TCP options of every client listener (at start, and
+        again on reload)."""
         for server in self.listeners:
             for sock in server.sockets:
+                # listen() again sets the backlog of a listening socket (uvloop's
+                # socket objects offer no listen(): on a duplicate of it).
+                with socket.socket(fileno=os.dup(sock.fileno())) as same:
+                    same.listen(self.config.listen_backlog)
                 if sock.family not in (socket.AF_INET, socket.AF_INET6):
                     continue  # PgBouncer's Unix socket
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,10 +1,11 @@
-"""TCP options of scry's sockets: PgBouncer's ``tcp_keepalive`` family and
-``tcp_user_timeout``.
+"""TCP options of scry's sockets: PgBouncer's ``tcp_keepalive`` family,
+``tcp_user_timeout`` and ``tcp_socket_buffer``.
 
 They are set on the client listeners, at start and again on reload. On
 Linux an accepted connection inherits them from its listening socket, so a
 login costs no system call for them. A server connection gets them when it
-opens.
+opens. (A buffer size, once set, turns the kernel's autotuning off for that
+socket: set back to 0, it stays on the listener until a restart.)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class TcpSettings(Protocol):
     tcp_keepintvl: int
     tcp_keepcnt: int
     tcp_user_timeout: int
+    tcp_socket_buffer: int
 
 
 def _system_value(sysctl: str) -> int | None:
@@ -57,6 +59,9 @@ def set_tcp_options(sock: Any, settings: TcpSettings, *, fresh: bool) -> None:
         value = value or _system_value(sysctl)
         if value:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    if settings.tcp_socket_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.tcp_socket_buffer)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, settings.tcp_socket_buffer)
     user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
     if user_timeout is not None and (settings.tcp_user_timeout or not fresh):
         sock.setsockopt(socket.IPPROTO_TCP, user_timeout, settings.tcp_user_timeout)

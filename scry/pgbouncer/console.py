@@ -129,7 +129,9 @@ async def start_unix_listener(proxy: Proxy) -> asyncio.Server:
         if stat.S_ISSOCK(os.stat(path).st_mode):
             os.unlink(path)
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(lambda: ClientConnection(proxy), path, backlog=4096)
+    server = await loop.create_unix_server(
+        lambda: ClientConnection(proxy), path, backlog=proxy.config.listen_backlog
+    )
     state_for(proxy).unix_path = path
     os.chmod(path, compat.unix_socket_mode)
     if compat.unix_socket_group:

@@ -380,7 +380,6 @@ def _seconds(path: str) -> Handler:
     return _to(path, as_seconds)
 
 
-_NET = "scry uses the operating system's socket defaults"
 _DNS = "scry resolves host names at each connect, with the system resolver"
 _TLS = "Python's ssl module sets no TLS 1.3 cipher suites or DH parameters: OpenSSL's apply"
 
@@ -488,11 +487,11 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     # --- low-level network
     "pkt_buf": Key("4096", changeable=False, why="scry sizes its buffers itself"),
     "max_packet_size": Key("2147483647", handler=_to("max_packet_size", as_int)),
-    "listen_backlog": Key("128", changeable=False, why="scry listens with a backlog of 4096"),
+    "listen_backlog": Key("128", changeable=False, handler=_to("listen_backlog", as_int)),
     "sbuf_loopcnt": Key("5", why="asyncio flow control bounds each connection"),
     "so_reuseport": Key("0", changeable=False, handler=_to("so_reuseport", as_bool)),
     "tcp_defer_accept": Key("1", handler=_to("tcp_defer_accept", as_bool)),
-    "tcp_socket_buffer": Key("0", why=_NET),
+    "tcp_socket_buffer": Key("0", handler=_to("tcp_socket_buffer", as_int)),
     "tcp_keepalive": Key("1", handler=_to("tcp_keepalive", as_bool)),
     "tcp_keepcnt": Key("0", handler=_to("tcp_keepcnt", as_int)),
     "tcp_keepidle": Key("0", handler=_to("tcp_keepidle", as_int)),

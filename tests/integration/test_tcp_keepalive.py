@@ -28,8 +28,8 @@ class TcpSocket:
     due_in: float  # seconds
 
 
-def sockets_of(pid: int) -> list[TcpSocket]:
-    """The established TCP sockets process ``pid`` holds."""
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process ``pid`` holds."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -38,6 +38,12 @@ def sockets_of(pid: int) -> list[TcpSocket]:
             continue  # closed meanwhile
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
+    return inodes
+
+
+def sockets_of(pid: int) -> list[TcpSocket]:
+    """The established TCP sockets process ``pid`` holds."""
+    inodes = socket_inodes(pid)
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:

@@ -422,3 +422,14 @@ def test_so_reuseport_socket_directory_peers_and_scram_iterations(tmp_path: Path
     config, warnings = load_minimal(tmp_path, "scram_iterations = 1024\n")
     assert warnings == ["not supported: scram_iterations (below 4096, RFC 7677's floor)"]
     assert config.auth is not None and config.auth.scram_iterations == 4096
+
+
+def test_listen_backlog_socket_buffers_and_user_are_taken(tmp_path: Path) -> None:
+    config, warnings = load_minimal(
+        tmp_path, "listen_backlog = 77\ntcp_socket_buffer = 50000\nuser = postgres\n"
+    )
+    assert warnings == []
+    assert (config.listen_backlog, config.tcp_socket_buffer) == (77, 50000)
+    assert config.pgbouncer is not None and config.pgbouncer.user == "postgres"
+    config, _ = load_minimal(tmp_path, "")
+    assert (config.listen_backlog, config.tcp_socket_buffer) == (4096, 0)  # scry's defaults

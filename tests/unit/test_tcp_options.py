@@ -20,6 +20,7 @@ class Settings:
     tcp_keepintvl: int = 0
     tcp_keepcnt: int = 0
     tcp_user_timeout: int = 0
+    tcp_socket_buffer: int = 0
 
 
 def system(name: str) -> int:
@@ -48,13 +49,19 @@ def listener() -> Iterator[socket.socket]:
 def test_accepted_connections_inherit_the_listeners_options(listener) -> None:
     set_tcp_options(
         listener,
-        Settings(tcp_keepidle=77, tcp_keepintvl=11, tcp_keepcnt=4, tcp_user_timeout=12345),
+        Settings(
+            tcp_keepidle=77, tcp_keepintvl=11, tcp_keepcnt=4, tcp_user_timeout=12345,
+            tcp_socket_buffer=50000,
+        ),
         fresh=False,
-    )
+    )  # fmt: skip
     with socket.create_connection(listener.getsockname()):
         accepted, _ = listener.accept()
         with accepted:
             assert options(accepted) == (1, 77, 11, 4, 12345)
+            # (the kernel doubles a buffer size it is given)
+            assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 100000
+            assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 100000
 
 
 def test_a_reload_back_to_zero_restores_the_systems_values(listener) -> None:
