@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from scry import __version__
+from scry import __version__, systemd
 from scry.auth import AuthPolicy
 from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
@@ -603,19 +603,28 @@ async def serve(
     """Run a proxy until it is stopped by a signal."""
     proxy = Proxy(config, config_path, identity)
     loop = asyncio.get_running_loop()
+
+    def reload() -> None:
+        systemd.reloading()
+        proxy.reload()
+        systemd.notify("READY=1")
+
     # Before the listener opens: a SIGHUP sent as soon as the port answers must
     # reload, not kill the process (SIGHUP's default action).
-    loop.add_signal_handler(signal.SIGHUP, proxy.reload)
+    loop.add_signal_handler(signal.SIGHUP, reload)
     try:
         await proxy.start()
     except OSError as exc:
         event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
         return 1
     freeze_startup_heap()
+    # (A worker's environment has no NOTIFY_SOCKET: its supervisor is the service.)
+    systemd.notify("READY=1", f"STATUS=listening on {config.listen_addr}")
     signals = {"count": 0}
 
     def on_stop_signal(signame: str) -> None:
         signals["count"] += 1
+        systemd.notify("STOPPING=1")
         if signals["count"] == 1:
             event("signal received: draining", signal=signame)
             proxy.begin_drain()

@@ -278,7 +278,11 @@ class Supervisor:
             *self.command(worker),
             stdin=asyncio.subprocess.DEVNULL,
             process_group=0,
-            env={**os.environ, INSTANCE_KEY_ENV: self.instance_key},
+            # Not the workers but the supervisor is systemd's service: no NOTIFY_SOCKET.
+            env={
+                **{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
+                INSTANCE_KEY_ENV: self.instance_key,
+            },
         )
         event("worker started", worker=worker.worker_id, pid=worker.proc.pid,
               generation=worker.generation)  # fmt: skip

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scry import __version__
+from scry import __version__, systemd
 from scry.log import event, logger, setup_logging
 from scry.pgbouncer.account import AccountError, become, find_account, hand_over
 
@@ -213,10 +213,12 @@ async def serve(  # type: ignore[no-untyped-def]
     state.warned.update(warnings)
 
     def reload() -> None:
+        systemd.reloading()
         try:
             reload_pgbouncer_config(proxy)
         except IniError as exc:
             event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
+        systemd.notify("READY=1")
 
     state.reload = reload
     loop = asyncio.get_running_loop()
@@ -229,10 +231,12 @@ async def serve(  # type: ignore[no-untyped-def]
         event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
         return 1
     freeze_startup_heap()
+    systemd.notify("READY=1", f"STATUS=listening on {config.listen_addr}")
     stops = {"count": 0}
 
     def stop(signame: str, wait_for_clients: bool) -> None:
         stops["count"] += 1
+        systemd.notify("STOPPING=1")
         if stops["count"] > 1 or signame == "SIGQUIT":
             event("signal received: stopping now", signal=signame)
             proxy.stop_now()
