@@ -16,6 +16,7 @@ pick up the substitute; if uvloop was imported before, it keeps its own.
 from __future__ import annotations
 
 import asyncio
+import sys
 import weakref
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -66,8 +67,6 @@ class FdRegistry:
 
 
 def _import_uvloop() -> Any:
-    import sys
-
     if "uvloop" in sys.modules:
         return sys.modules["uvloop"]
     # What uvloop imports, first: none of these may see the substitute.
