@@ -618,7 +618,7 @@ async def serve(
         event("cannot listen", logging.ERROR, addr=config.listen_addr, error=str(exc))
         return 1
     freeze_startup_heap()
-    # (A worker's environment has no NOTIFY_SOCKET: its supervisor is the service.)
+    # (A worker's NOTIFY_SOCKET is its supervisor's, which speaks for all its workers.)
     systemd.notify("READY=1", f"STATUS=listening on {config.listen_addr}")
     signals = {"count": 0}
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from scry import systemd
 from scry.config import Config, PoolConfig, PoolOverride
 from scry.log import event, logger, setup_logging
 
@@ -243,6 +244,8 @@ class Supervisor:
         self.stopping = 0  # stop signals received
         self.exit_code = 0
         self._stop_event = asyncio.Event()
+        # Under systemd, the workers notify the supervisor, which speaks for them.
+        self.notifications: systemd.WorkerNotifications | None = None
 
     def command(self, worker: _Worker) -> list[str]:
         cmd = [sys.executable, "-m", "scry.cli", "serve"]
@@ -258,11 +261,20 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
-        loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        if systemd.manager_present():
+            self.notifications = systemd.WorkerNotifications(
+                lambda: {proc.pid for proc in self._live()},
+                len(self.workers),
+                f"listening on {self.config.listen_addr} with {len(self.workers)} workers",
+            )
+            self.notifications.start(loop)
         event("supervisor starting workers", workers=len(self.workers), pid=self.instance,
               addr=self.config.listen_addr)  # fmt: skip
         watchers = [loop.create_task(self._watch(worker)) for worker in self.workers]
         await asyncio.gather(*watchers)
+        if self.notifications is not None:
+            self.notifications.close(loop)
         from scry.peering import remove_instance_dir
 
         remove_instance_dir(self.config.listen_host_port[1], self.instance)
@@ -278,11 +290,7 @@ class Supervisor:
             *self.command(worker),
             stdin=asyncio.subprocess.DEVNULL,
             process_group=0,
-            # Not the workers but the supervisor is systemd's service: no NOTIFY_SOCKET.
-            env={
-                **{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
-                INSTANCE_KEY_ENV: self.instance_key,
-            },
+            env={**os.environ, INSTANCE_KEY_ENV: self.instance_key, **self._notify_env()},
         )
         event("worker started", worker=worker.worker_id, pid=worker.proc.pid,
               generation=worker.generation)  # fmt: skip
@@ -318,12 +326,22 @@ class Supervisor:
     def _live(self) -> list[asyncio.subprocess.Process]:
         return [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
 
+    def _notify_env(self) -> dict[str, str]:
+        """A worker's NOTIFY_SOCKET: the supervisor's own (or none)."""
+        return {} if self.notifications is None else {"NOTIFY_SOCKET": self.notifications.path}
+
+    def _reload(self) -> None:
+        if self.notifications is not None:
+            self.notifications.reloading()
+        self._forward(signal.SIGHUP)
+
     def _forward(self, sig: int) -> None:
         event("signal received: forwarding to workers", signal=signal.Signals(sig).name)
         for proc in self._live():
             proc.send_signal(sig)
 
     def _on_stop_signal(self, sig: int) -> None:
+        systemd.notify("STOPPING=1")
         self.stopping += 1
         self._stop_event.set()
         self._forward(sig)

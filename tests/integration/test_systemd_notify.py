@@ -1,6 +1,7 @@
 """systemd's notifications (``Type=notify``, as in Debian's pgbouncer.service):
 READY=1 once listening, RELOADING=1 and READY=1 around a SIGHUP reload,
-STOPPING=1 when a stop signal arrives. The test plays systemd: a Unix
+STOPPING=1 when a stop signal arrives; with workers, the supervisor speaks
+for them once all are ready. The test plays systemd: a Unix
 datagram socket named by NOTIFY_SOCKET in the proxy's environment.
 PgBouncer 1.18 (built with systemd) says READY=1 too.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from test_pgbouncer_compat import HAVE_PGBOUNCER, Bouncer, bouncer_dir
+from test_socket_sizes import listen_backlog
 
 from scry.devcluster import DevCluster
 
@@ -78,3 +80,27 @@ def test_a_pgbouncer_ini_service_is_ready_when_it_listens(
         finally:
             bouncer.stop()
         assert received(manager)["STOPPING"] == "1"
+
+
+def children(pid: int) -> list[int]:
+    return [int(n) for n in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_supervisor_is_ready_when_all_its_workers_are(scry_proxy, manager: socket.socket) -> None:
+    proxy = scry_proxy({"workers": 2})
+    ready = received(manager)
+    assert ready["READY"] == "1" and ready["STATUS"].endswith("with 2 workers"), ready
+    workers = children(proxy.pid)
+    assert len(workers) == 2
+    for worker in workers:  # both listen by then
+        assert listen_backlog(worker, proxy.port) > 0
+    proxy.send_signal(signal.SIGHUP)
+    assert received(manager)["RELOADING"] == "1"
+    assert received(manager)["READY"] == "1"
+    with psycopg.connect(**proxy.conninfo(), autocommit=True) as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+    proxy.send_signal(signal.SIGTERM)
+    assert received(manager) == {"STOPPING": "1"}
+    manager.settimeout(1)
+    with pytest.raises(TimeoutError):  # the workers' own notifications stay with it
+        manager.recv(4096)
