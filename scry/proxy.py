@@ -603,15 +603,9 @@ async def serve(
     """Run a proxy until it is stopped by a signal."""
     proxy = Proxy(config, config_path, identity)
     loop = asyncio.get_running_loop()
-
-    def reload() -> None:
-        systemd.reloading()
-        proxy.reload()
-        systemd.notify("READY=1")
-
     # Before the listener opens: a SIGHUP sent as soon as the port answers must
     # reload, not kill the process (SIGHUP's default action).
-    loop.add_signal_handler(signal.SIGHUP, reload)
+    loop.add_signal_handler(signal.SIGHUP, systemd.reload, proxy.reload)
     try:
         await proxy.start()
     except OSError as exc:

@@ -50,6 +50,15 @@ def reloading() -> bool:
     return notify("RELOADING=1", f"MONOTONIC_USEC={now_us}")
 
 
+def reload(apply: Callable[[], object]) -> None:
+    """Run ``apply`` (a reload) between ``RELOADING=1`` and ``READY=1``."""
+    reloading()
+    try:
+        apply()
+    finally:
+        notify("READY=1")
+
+
 class WorkerNotifications:
     """A supervisor's end of its workers' notifications.
 

@@ -212,13 +212,14 @@ async def serve(  # type: ignore[no-untyped-def]
     state = state_for(proxy)
     state.warned.update(warnings)
 
-    def reload() -> None:
-        systemd.reloading()
+    def apply_ini() -> None:
         try:
             reload_pgbouncer_config(proxy)
         except IniError as exc:
             event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
-        systemd.notify("READY=1")
+
+    def reload() -> None:
+        systemd.reload(apply_ini)
 
     state.reload = reload
     loop = asyncio.get_running_loop()
