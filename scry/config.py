@@ -210,6 +210,9 @@ class PoolConfig(_Model):
     server_fast_close: bool = False
     #: PgBouncer's per-database server_lifetime; None: ``timeouts.server_lifetime``.
     server_lifetime: Seconds | None = None
+    #: PgBouncer's per-database (and per-user) query_wait_timeout; None:
+    #: ``timeouts.query_wait_timeout``.
+    query_wait_timeout: Seconds | None = None
 
     @model_validator(mode="after")
     def _min_not_above_size(self) -> PoolConfig:
@@ -238,6 +241,7 @@ class PoolOverride(_Model):
     server_round_robin: bool | None = None
     server_fast_close: bool | None = None
     server_lifetime: Seconds | None = None
+    query_wait_timeout: Seconds | None = None
 
     def merged_with(self, base: PoolConfig) -> PoolConfig:
         """The effective pool settings: ``base`` with this override's set fields."""
@@ -469,6 +473,17 @@ class PgbouncerUserOverride(_Model):
     idle_transaction_timeout: Seconds | None = None
     transaction_timeout: Seconds | None = None
     client_idle_timeout: Seconds | None = None
+    #: Of this user's pools, over the database's and ``timeouts.*``.
+    query_wait_timeout: Seconds | None = None
+
+    def pool_override(self) -> PoolOverride:
+        """What this line changes in the pools of the user (over the database's)."""
+        return PoolOverride(
+            mode=self.pool_mode, size=self.pool_size, reserve_size=self.reserve_pool_size,
+            max_user_connections=self.max_user_connections,
+            max_user_client_connections=self.max_user_client_connections,
+            query_wait_timeout=self.query_wait_timeout,
+        )  # fmt: skip
 
 
 #: The timeouts a ``[users]`` line may set for that user's clients.
@@ -870,6 +885,16 @@ class Config(_Model):
             if own:
                 result[name] = self.timeouts.model_copy(update=own)
         return result
+
+    def pool_settings(self, target: DatabaseTarget, user: str | None) -> PoolConfig:
+        """The settings of ``target``'s pool for ``user``: the database's, with
+        the user's ``[users]`` line over them (PgBouncer mode), as PgBouncer
+        has them at login and after every reload."""
+        users = self.pgbouncer.users if self.pgbouncer is not None else {}
+        override = users.get(user) if user is not None else None
+        if override is None:
+            return target.pool
+        return override.pool_override().merged_with(target.pool)
 
     def targets(self) -> dict[str, DatabaseTarget]:
         """The backend databases by client-visible name.

@@ -57,8 +57,8 @@ class Pool(PoolCore):
         "_next_probe_at", "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen",
         "_welcome_future", "exiting", "health", "last_error", "limit_blocked", "limit_claim",
         "max_message_size", "max_wait_started", "name", "parsed_statements", "server_password",
-        "server_user", "servers_closed", "servers_opened", "setting_spellings", "startup_params",
-        "stats", "target", "__weakref__"
+        "server_user", "servers_closed", "servers_opened", "setting_spellings", "settings_user",
+        "startup_params", "stats", "target", "__weakref__"
     )  # fmt: skip
 
     def __init__(
@@ -71,6 +71,9 @@ class Pool(PoolCore):
         self.proxy = proxy
         self.target = target
         self.settings: PoolConfig = target.pool
+        # Whose [users] line the settings include (None: the database's alone),
+        # so that a reload can apply that line's new version.
+        self.settings_user: str | None = None
         self.server_user = server_user
         self.server_password = server_password
         self.name = f"{target.name}/{server_user}"
@@ -539,6 +542,18 @@ class Pool(PoolCore):
                 self._last_wait_noticed = since
                 waiter.wait_noticed((now - since) / 1e9)
 
+    def use_settings(self, settings: PoolConfig, user: str | None) -> None:
+        """Settings that ``user``'s ``[users]`` line (None: no line) went into."""
+        self.settings = settings
+        self.settings_user = user
+        self.round_robin = settings.server_round_robin
+
+    @property
+    def query_wait_timeout(self) -> float:
+        """This pool's (its database's or user's, else the global one)."""
+        own = self.settings.query_wait_timeout
+        return self.proxy.config.timeouts.query_wait_timeout if own is None else own
+
     def expire_waiters(self, timeout: float) -> None:
         """query_wait_timeout, checked by the janitor: the queue is FIFO, oldest first."""
         if not timeout or not self.waiters:
@@ -581,9 +596,8 @@ class Pool(PoolCore):
             return server
         waiter = _Borrower(asyncio.get_running_loop().create_future())
         self.wait(waiter)  # type: ignore[arg-type]
-        timeout = self.proxy.config.timeouts.query_wait_timeout or None
         try:
-            return await asyncio.wait_for(waiter.future, timeout)
+            return await asyncio.wait_for(waiter.future, self.query_wait_timeout or None)
         except TimeoutError:
             self.cancel_wait(waiter)  # type: ignore[arg-type]
             raise

@@ -269,9 +269,8 @@ class Proxy:
                     pool.close_sessions_fast()
             else:
                 pool.target = target
-                pool.settings = target.pool
+                pool.use_settings(new.pool_settings(target, pool.settings_user), pool.settings_user)
                 pool.check_delay = new.timeouts.server_check_delay
-                pool.round_robin = target.pool.server_round_robin
         event("config reloaded", path=self.config_path or "", databases=len(self.targets))
         return True
 
@@ -282,7 +281,7 @@ class Proxy:
             timeouts = self.config.timeouts
             for pool in list(self.pools.values()):
                 pool.notify_waiters(timeouts.query_wait_notify)
-                pool.expire_waiters(timeouts.query_wait_timeout)
+                pool.expire_waiters(pool.query_wait_timeout)
                 pool.maintain(now)
             self._check_health()
             self._enforce_timeouts(now)

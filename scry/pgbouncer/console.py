@@ -80,18 +80,10 @@ def route_login(client: ClientConnection, packet: StartupMessage, method: str) -
     if override is not None or paused:
         # Create the pool now (the normal path then finds it) to apply
         # [users] overrides and a PAUSE that came before the pool existed.
-        from scry.config import PoolOverride
-
         user, password = proxy.auth.server_credentials(target, packet.user)
         pool = proxy.pool_for(target, user, password)
         if override is not None:
-            changes = PoolOverride(
-                mode=override.pool_mode, size=override.pool_size,
-                reserve_size=override.reserve_pool_size,
-                max_user_connections=override.max_user_connections,
-                max_user_client_connections=override.max_user_client_connections,
-            )  # fmt: skip
-            pool.settings = changes.merged_with(target.pool)
+            pool.use_settings(proxy.config.pool_settings(target, packet.user), packet.user)
         if paused and not pool.paused:
             pool.pause()
     return False

@@ -508,18 +508,17 @@ _ALIASES = {"reserve_pool": "reserve_pool_size"}
 
 _DB_SETTINGS = {"client_encoding": "client_encoding", "datestyle": "DateStyle",
                 "timezone": "TimeZone", "application_name": "application_name"}  # fmt: skip
-_DB_UNSUPPORTED = {
-    "query_wait_timeout": "query_wait_timeout is global in scry",
-}
 _DB_KNOWN = {"dbname", "host", "port", "user", "password", "pool_size", "min_pool_size",
              "reserve_pool", "reserve_pool_size", "pool_mode", "max_db_connections",
              "max_db_client_connections", "connect_query", "auth_user", "auth_dbname",
-             "auth_query", "server_lifetime",
-             "load_balance_hosts", "target_session_attrs", *_DB_SETTINGS,
-             *_DB_UNSUPPORTED}  # fmt: skip
-_USER_UNSUPPORTED = {
-    "query_wait_timeout": "query_wait_timeout is global in scry",
-}
+             "auth_query", "server_lifetime", "query_wait_timeout",
+             "load_balance_hosts", "target_session_attrs", *_DB_SETTINGS}  # fmt: skip
+
+
+def _wait_timeout(value: str, where: str) -> float | None:
+    """A [databases] or [users] query_wait_timeout: -1 is PgBouncer's "not
+    set" (the user's, database's or global one applies), 0 disables."""
+    return None if value.strip() == "-1" else as_seconds(Entry(value, where))
 
 
 class _Builder:
@@ -648,6 +647,8 @@ def _db_pool(params: Mapping[str, str], where: str) -> dict[str, Any]:
         pool["connect_query"] = params["connect_query"]
     if "server_lifetime" in params:
         pool["server_lifetime"] = as_seconds(Entry(params["server_lifetime"], where))
+    if "query_wait_timeout" in params:
+        pool["query_wait_timeout"] = _wait_timeout(params["query_wait_timeout"], where)
     return pool
 
 
@@ -658,11 +659,9 @@ def _databases(builder: _Builder) -> None:
         if name == "pgbouncer":
             raise IniError(f"{entry.where}: the database name 'pgbouncer' is reserved")
         params = parse_connstring(entry.value, entry.where)
-        for key, value in params.items():
+        for key in params:
             if key not in _DB_KNOWN:
                 raise IniError(f"{entry.where}: unrecognized connection parameter: {key}")
-            if key in _DB_UNSUPPORTED and value not in ("", "0", "-1"):
-                builder.unsupported(f"[databases] {key}", _DB_UNSUPPORTED[key])
         balance = params.get("load_balance_hosts", "")
         if balance and balance not in ("round-robin", "disable"):
             raise IniError(
@@ -702,9 +701,8 @@ def _users(builder: _Builder) -> None:
                 override[key] = as_int(Entry(value, entry.where))
             elif key in USER_TIMEOUTS:
                 override[key] = as_seconds(Entry(value, entry.where))
-            elif key in _USER_UNSUPPORTED:
-                if value not in ("", "0", "-1"):
-                    builder.unsupported(f"[users] {key}", _USER_UNSUPPORTED[key])
+            elif key == "query_wait_timeout":
+                override[key] = _wait_timeout(value, entry.where)
             else:
                 raise IniError(f"{entry.where}: unrecognized user parameter: {key}")
         users[name] = override

@@ -361,6 +361,41 @@ async def test_query_wait_timeout(scry_proxy) -> None:
     assert "query_wait_timeout" in proxy.log_text()
 
 
+async def test_query_wait_timeout_of_one_database(scry_proxy, pg) -> None:
+    """databases.*.pool.query_wait_timeout (PgBouncer's per-database one)
+    holds that database's queue; another database keeps the global one."""
+    proxy = scry_proxy(
+        {
+            "pool": {"mode": "transaction", "size": 1},
+            "timeouts": {"query_wait_timeout": 60},
+            "databases": {"quick": {"database_url": pg.url(), "pool": {"query_wait_timeout": 1}}},
+        }
+    )
+
+    async def connect(dbname: str, **kwargs) -> psycopg.AsyncConnection:
+        kwargs.setdefault("autocommit", True)
+        return await psycopg.AsyncConnection.connect(
+            **proxy.conninfo(dbname=dbname), prepare_threshold=None, **kwargs
+        )
+
+    holders = [await connect(db, autocommit=False) for db in ("app", "quick")]
+    patient, quick = await connect("app"), await connect("quick")
+    try:
+        for holder in holders:
+            await fetch1(holder, "select 1")  # a transaction open: each pool is exhausted
+        waiting = asyncio.ensure_future(fetch1(patient, "select 'served'"))
+        started = time.monotonic()
+        with pytest.raises(psycopg.OperationalError, match="query_wait_timeout"):
+            await asyncio.wait_for(fetch1(quick, "select 1"), 10)
+        assert 0.8 <= time.monotonic() - started <= 3.0
+        assert not waiting.done()  # app's client still waits: its limit is a minute
+        await holders[0].commit()
+        assert await asyncio.wait_for(waiting, 10) == ("served",)
+    finally:
+        for conn in (*holders, patient, quick):
+            await conn.close()
+
+
 # --- session mode ------------------------------------------------------------------------
 
 

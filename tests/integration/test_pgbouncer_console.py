@@ -7,6 +7,8 @@ the console's modules cannot break one unnoticed.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -160,35 +162,63 @@ def test_reconnect_closes_a_server_its_client_kept_between_transactions(
         assert new_pid != old_pid
 
 
-def test_a_users_line_sets_timeouts_for_that_users_clients(pg: DevCluster, wait_until) -> None:
-    """[users] md5_user = idle_transaction_timeout=1 (PgBouncer's user-level
-    timeouts): its clients are held to it, app's are not (no global one)."""
+@contextlib.contextmanager
+def md5_user_bouncer(pg: DevCluster, users_line: str) -> Iterator[Bouncer]:
+    """scry-pgbouncer with md5_user in its userlist and ``[users] md5_user = users_line``."""
     with bouncer_dir() as directory:
         with open(directory / "userlist.txt", "a") as userlist:
             userlist.write('"md5_user" "md5_pass"\n')
         bouncer = Bouncer("scry", pg, directory)
-        bouncer.ini.write_text(
-            bouncer.ini.read_text() + "\n[users]\nmd5_user = idle_transaction_timeout=1\n"
-        )
+        bouncer.ini.write_text(bouncer.ini.read_text() + f"\n[users]\nmd5_user = {users_line}\n")
         bouncer.start()
         try:
-            held = bouncer.connect("md5_user", "md5_pass")
-            free = bouncer.connect()
-            for conn in (held, free):
-                conn.autocommit = False
-                conn.execute("select 1")  # (a transaction is open, and idle)
-            wait_until(
-                lambda: "idle transaction timeout" in bouncer.output(), 6, what="the timeout"
-            )
-            with pytest.raises(psycopg.Error) as caught:
-                held.execute("select 2")
-            assert caught.value.sqlstate == "25P03"
-            assert free.execute("select 2").fetchone() == (2,)
-            free.commit()
-            line = next(x for x in bouncer.output().splitlines() if "idle transaction" in x)
-            assert "user=md5_user" in line, line
-            held.close()
-            free.close()
+            yield bouncer
         finally:
             bouncer.stop()
         assert "Traceback" not in bouncer.output()
+
+
+def test_a_users_line_sets_query_wait_timeout_and_survives_a_reload(pg: DevCluster) -> None:
+    """[users] md5_user = pool_size=1 query_wait_timeout=1: a second client of
+    that user waits a second (not the global 120) for the one server, and
+    still does after RELOAD, which once left such a pool with the database's
+    settings (pool size 4) until the user's next login."""
+    with md5_user_bouncer(pg, "pool_size=1 query_wait_timeout=1") as bouncer:
+        holder = bouncer.connect("md5_user", "md5_pass")
+        holder.autocommit = False
+        holder.execute("select 1")  # the pool's only server, in a transaction
+        # (Both log in before the reload: a login applies the line again.)
+        waiters = [bouncer.connect("md5_user", "md5_pass") for _ in range(2)]
+        for when, waiter in zip(("before", "after"), waiters, strict=True):
+            started = time.monotonic()
+            with pytest.raises(psycopg.OperationalError, match="query_wait_timeout"):
+                waiter.execute("select 2")
+            assert 0.8 <= time.monotonic() - started <= 3.5, when
+            waiter.close()
+            if when == "before":
+                assert bouncer.admin("RELOAD")[2] == "RELOAD"
+        users = {r[0]: r for r in bouncer.admin("SHOW USERS")[1]}
+        assert int(users["md5_user"][1]) == 1  # pool_size
+        holder.rollback()
+        holder.close()
+
+
+def test_a_users_line_sets_timeouts_for_that_users_clients(pg: DevCluster, wait_until) -> None:
+    """[users] md5_user = idle_transaction_timeout=1 (PgBouncer's user-level
+    timeouts): its clients are held to it, app's are not (no global one)."""
+    with md5_user_bouncer(pg, "idle_transaction_timeout=1") as bouncer:
+        held = bouncer.connect("md5_user", "md5_pass")
+        free = bouncer.connect()
+        for conn in (held, free):
+            conn.autocommit = False
+            conn.execute("select 1")  # (a transaction is open, and idle)
+        wait_until(lambda: "idle transaction timeout" in bouncer.output(), 6, what="the timeout")
+        with pytest.raises(psycopg.Error) as caught:
+            held.execute("select 2")
+        assert caught.value.sqlstate == "25P03"
+        assert free.execute("select 2").fetchone() == (2,)
+        free.commit()
+        line = next(x for x in bouncer.output().splitlines() if "idle transaction" in x)
+        assert "user=md5_user" in line, line
+        held.close()
+        free.close()

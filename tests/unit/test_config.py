@@ -386,7 +386,7 @@ pool: {mode: transaction, size: 30, min_size: 2}
 databases:
   app:
     database_url: "postgres://app_user:pw@app-host:6000/app_real"
-    pool: {size: 4, mode: session}
+    pool: {size: 4, mode: session, query_wait_timeout: 7.5}
   shared:
     database_url: "postgres://other@other-host/shared_real"
   plain:
@@ -397,6 +397,8 @@ databases:
     app_target = targets["app"]
     assert (app_target.host, app_target.port, app_target.dbname) == ("app-host", 6000, "app_real")
     assert app_target.pool.size == 4 and app_target.pool.mode == "session"
+    assert app_target.pool.query_wait_timeout == 7.5  # (over timeouts.query_wait_timeout)
+    assert targets["shared"].pool.query_wait_timeout is None
     assert app_target.pool.min_size == 2  # inherited
     assert targets["shared"].host == "other-host"  # databases wins on a name clash
     assert targets["shared"].pool.size == 30
@@ -412,6 +414,16 @@ databases:
     pool: {size: 2}
 """
     assert "databases.app.pool.min_size: must not exceed size (2)" in error_for(tmp_path, text)
+
+
+def test_pool_override_query_wait_timeout_names_the_key(tmp_path: Path) -> None:
+    text = """\
+databases:
+  app:
+    database_url: "postgres://u@h/app"
+    pool: {query_wait_timeout: soon}
+"""
+    assert "databases.app.pool.query_wait_timeout" in error_for(tmp_path, text)
 
 
 @pytest.mark.parametrize(

@@ -23,9 +23,9 @@ MAIN = """\
 ; the application database, via TCP
 app = host=10.0.0.5 port=5433 dbname=app_prod pool_size=30 min_pool_size=5 reserve_pool=3
 ; a forced user, with a quoted password and startup settings
-reports = host=10.0.0.6 user=reporter password='it''s secret' client_encoding=UTF8 datestyle=ISO timezone=UTC pool_mode=session
+reports = host=10.0.0.6 user=reporter password='it''s secret' client_encoding=UTF8 datestyle=ISO timezone=UTC pool_mode=session query_wait_timeout=5
 ; over the Unix socket (no host), with a query run on each new server
-local = dbname=postgres connect_query='SET lock_timeout = 1000' target_session_attrs=read-write
+local = dbname=postgres connect_query='SET lock_timeout = 1000' target_session_attrs=read-write query_wait_timeout=-1
 "quoted db" = host=10.0.0.7
 ; anything else goes to the fallback
 * = host=10.0.0.9 port=6000
@@ -57,7 +57,8 @@ peer_id = 1
 %include {include}
 
 [users]
-batch = pool_mode=session pool_size=2 max_user_connections=4 client_idle_timeout=30
+batch = pool_mode=session pool_size=2 max_user_connections=4 client_idle_timeout=30 query_wait_timeout=0
+web = query_wait_timeout=-1
 
 [peers]
 1 = host=10.0.0.21
@@ -128,6 +129,9 @@ def test_effective_config(ini_path: Path) -> None:
     assert local.pool.connect_query == "SET lock_timeout = 1000"
     assert local.target_session_attrs == "read-write"
     assert app.pool.connect_query == ""
+    # query_wait_timeout per database: -1 is PgBouncer's "not set"
+    assert reports.pool.query_wait_timeout == 5
+    assert local.pool.query_wait_timeout is None and app.pool.query_wait_timeout is None
 
     compat = config.pgbouncer
     assert compat is not None
@@ -143,6 +147,15 @@ def test_effective_config(ini_path: Path) -> None:
     timeouts = config.user_timeouts()  # (the global ones, but what the line sets)
     assert set(timeouts) == {"batch"} and timeouts["batch"].client_idle_timeout == 30
     assert timeouts["batch"].query_wait_timeout == config.timeouts.query_wait_timeout
+    # A [users] line goes over the database's pool settings, query_wait_timeout
+    # included (0: batch's clients wait as long as it takes).
+    assert compat.users["batch"].query_wait_timeout == 0
+    assert compat.users["web"].query_wait_timeout is None
+    batch = config.pool_settings(reports, "batch")
+    assert (batch.mode, batch.size, batch.query_wait_timeout) == ("session", 2, 0)
+    assert batch.max_user_connections == 4
+    assert config.pool_settings(reports, "web").query_wait_timeout == 5
+    assert config.pool_settings(reports, "nobody") is reports.pool
     assert compat.autodb is not None and "host=10.0.0.9" in compat.autodb.database_url
     assert compat.conffile == str(ini_path)
     assert config.peer_id == 1
