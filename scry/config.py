@@ -318,6 +318,9 @@ class TimeoutsConfig(_Model):
     server_lifetime: Seconds = 3600
     server_idle_timeout: Seconds = 600
     server_connect_timeout: Seconds = 15
+    #: PgBouncer's: a pool (database and user) with no client and no server
+    #: connection for this long is freed, its statistics with it; 0 keeps them.
+    pool_idle_timeout: Seconds = 0
     #: The longest wait between retries of a failing server login: 0.2 s,
     #: doubling up to this (at least 0.1 s); and how often a login is tried
     #: after half a minute of failures while the breaker is open.

@@ -58,7 +58,7 @@ class Pool(PoolCore):
         "_welcome_future", "exiting", "health", "last_error", "limit_blocked", "limit_claim",
         "max_message_size", "max_wait_started", "name", "parsed_statements", "server_password",
         "server_user", "servers_closed", "servers_opened", "setting_spellings", "settings_user",
-        "startup_params", "stats", "target", "__weakref__"
+        "startup_params", "stats", "target", "unused_since", "__weakref__"
     )  # fmt: skip
 
     def __init__(
@@ -74,6 +74,7 @@ class Pool(PoolCore):
         # Whose [users] line the settings include (None: the database's alone),
         # so that a reload can apply that line's new version.
         self.settings_user: str | None = None
+        self.unused_since: float | None = None  # (pool_idle_timeout: no client, no server)
         self.server_user = server_user
         self.server_password = server_password
         self.name = f"{target.name}/{server_user}"

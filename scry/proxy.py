@@ -287,10 +287,28 @@ class Proxy:
             self._enforce_timeouts(now)
             self._reclaim_idle_pins(now)
             self._stats_log.tick(now, self.config.log.stats_period, self.pools.values())
+            if timeouts.pool_idle_timeout:
+                self._free_idle_pools(now, timeouts.pool_idle_timeout)
             if self.config.pgbouncer is not None:
                 from scry.pgbouncer.state import free_idle_autodbs
 
                 free_idle_autodbs(self, now)
+
+    def _free_idle_pools(self, now: float, timeout: float) -> None:
+        """pool_idle_timeout: forget a pool that has had no client and no
+        server (nor one logging in, nor a waiter) for that long, so that pools
+        of users seen once (auth_query) do not pile up."""
+        in_use = {client.pool for client in self.clients}
+        for key, pool in list(self.pools.items()):
+            if pool in in_use or pool.servers or pool.connecting or pool.waiters:
+                pool.unused_since = None
+            elif pool.unused_since is None:
+                pool.unused_since = now
+            elif now - pool.unused_since >= timeout:
+                del self.pools[key]
+                pool.stale = True  # (a login plan that still names it goes the long way)
+                pool.close_all("pool_idle_timeout")
+                event("pool freed", pool=pool.name, idle=round(now - pool.unused_since))
 
     # --- breakers and health ----------------------------------------------------------
 

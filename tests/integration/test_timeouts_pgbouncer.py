@@ -408,6 +408,26 @@ def test_server_idle_timeout(scry_proxy, pg) -> None:
         assert conn.execute("select 'reopened'").fetchone() == ("reopened",)
 
 
+def test_pool_idle_timeout_frees_a_pool_nobody_uses(scry_proxy, pg) -> None:
+    """A pool with no client and no server for pool_idle_timeout is freed
+    (PgBouncer 1.25's); one whose client stays connected is kept."""
+    proxy = scry_proxy({"timeouts": {"server_idle_timeout": 1, "pool_idle_timeout": 1}})
+    with connect(proxy) as conn:
+        conn.execute("select 1")
+        wait_for(lambda: not live_backends(pg, proxy), 4, "idle servers to be closed")
+        # Not a wait for an event: what is tested is that time passing does
+        # not free a pool whose client is still connected.
+        time.sleep(2.5)
+        assert "pool freed" not in proxy.log_text()
+        assert conn.execute("select 'still served'").fetchone() == ("still served",)
+    wait_for(lambda: not live_backends(pg, proxy), 4, "idle servers to be closed")
+    wait_for(lambda: "pool freed" in proxy.log_text(), 5, "the pool to be freed")
+    (line,) = [x for x in proxy.log_text().splitlines() if "pool freed" in x]
+    assert "app/app" in line, line
+    with connect(proxy) as conn:  # a new pool, made on demand
+        assert conn.execute("select 'again'").fetchone() == ("again",)
+
+
 @pytest.fixture
 def blackhole() -> Iterator[int]:
     """A port that accepts TCP connections and never says a word."""
