@@ -803,6 +803,9 @@ class Config(_Model):
     #: PgBouncer's tcp_defer_accept (on by default on Linux, as there): the kernel
     #: hands over a new client connection with its first packet, one wakeup fewer.
     tcp_defer_accept: bool = True
+    #: PgBouncer's login_notify_message: a NOTICE every client gets at login
+    #: (e.g. that it reached a pooler, not PostgreSQL); empty = none.
+    login_notify_message: str = ""
     #: PgBouncer's: the client's address joins its application_name on the
     #: server (``app - host:port``), so pg_stat_activity shows who sent what.
     application_name_add_host: bool = False

@@ -119,7 +119,7 @@ class Pool(PoolCore):
         self.stats = PoolStats()
         self.total_wait_us = 0
         self.waits = 0  # clients that had to queue for a server
-        self._greetings: dict[tuple[tuple[str, str], ...], bytes] = {}
+        self._greetings: dict[tuple[str | tuple[str, str], ...], bytes] = {}
         self._waits_seen = 0
         self._wait_us_seen = 0
         self.max_wait_started: float | None = None
@@ -494,12 +494,14 @@ class Pool(PoolCore):
         self._welcome_future = None
 
     def login_greeting(self, settings: dict[str, str]) -> bytes:
-        """AuthenticationOk and the ParameterStatus set for a client with ``settings``.
+        """AuthenticationOk, the ParameterStatus set for a client with
+        ``settings`` and the login_notify_message NOTICE, if any.
 
         Built once per distinct set of settings (most clients of a pool share
         one): a login then costs a dict lookup, not a dozen message builds.
         """
-        key = tuple(settings.items())
+        notice = self.proxy.config.login_notify_message
+        key = (notice, *settings.items())
         greeting = self._greetings.get(key)
         if greeting is None:
             status = dict(self.welcome or {})
@@ -507,6 +509,8 @@ class Pool(PoolCore):
                 if name in status:
                     status[name] = value
             greeting = m.auth_ok() + b"".join(m.parameter_status(k, v) for k, v in status.items())
+            if notice:
+                greeting += m.notice_response(notice)
             if len(self._greetings) >= 256:
                 self._greetings.clear()
             self._greetings[key] = greeting

@@ -458,7 +458,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "dns_zone_check_period": Key("0", why=_DNS),
     "resolv_conf": Key("", changeable=False, why=_DNS),
     "query_wait_notify": Key("5", handler=_seconds("timeouts.query_wait_notify")),
-    "login_notify_message": Key("", why="no welcome NOTICE"),
+    "login_notify_message": Key("", handler=_to("login_notify_message")),
     "suspend_timeout": Key("10", why="SUSPEND waits for nothing"),
     # --- TLS
     "client_tls_sslmode": Key("disable", handler=_to("tls.client_tls_sslmode")),

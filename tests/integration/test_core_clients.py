@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import struct
 import subprocess
 import threading
@@ -80,6 +81,27 @@ def test_psql_on_error_stop(scry_proxy) -> None:
     assert proc.returncode == 3
     assert proc.stdout.splitlines() == ["7"]
     assert "division by zero" in proc.stderr
+
+
+def test_login_notify_message_reaches_psql_and_follows_a_reload(scry_proxy, wait_until) -> None:
+    """PgBouncer's login_notify_message: a NOTICE at every login (psql prints
+    it), a repeated one included; a reload changes it."""
+    proxy = scry_proxy(
+        {
+            "login_notify_message": "you reached scry, not PostgreSQL",
+            # md5: a repeated login may take the compiled path (LoginPlan)
+            "auth": {"type": "md5", "users": [{"name": "app", "password": "app_pass"}]},
+        }
+    )
+    for _ in range(2):
+        proc = run_psql(proxy, "select 1;\n")
+        assert proc.stdout.splitlines() == ["1"], proc
+        assert "NOTICE:  you reached scry, not PostgreSQL" in proc.stderr, proc.stderr
+    proxy.update_config({"login_notify_message": ""})
+    proxy.send_signal(signal.SIGHUP)
+    wait_until(lambda: "config reloaded" in proxy.log_text(), 10, what="the reload")
+    proc = run_psql(proxy, "select 2;\n")
+    assert proc.stdout.splitlines() == ["2"] and "NOTICE" not in proc.stderr, proc
 
 
 # --- psycopg (sync) -------------------------------------------------------------------
