@@ -209,6 +209,10 @@ async def serve(  # type: ignore[no-untyped-def]
             event("cannot switch user", logging.ERROR, user=account.pw_name, error=str(exc))
             return 1
         event("switched user", user=account.pw_name, uid=account.pw_uid)
+    elif os.geteuid() == 0:
+        # PgBouncer refuses to start as root; refusing would break setups
+        # (containers, CI) that run scry that way, so it is said once instead.
+        event("running as root: set user in the ini (or start as another user)", logging.WARNING)
     state = state_for(proxy)
     state.warned.update(warnings)
 

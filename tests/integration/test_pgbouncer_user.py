@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from test_pgbouncer_compat import HAVE_PGBOUNCER, PGBOUNCER, REPO, Bouncer, bouncer_dir
+from test_pgbouncer_compat import HAVE_PGBOUNCER, PGBOUNCER, REPO, Bouncer, bouncer_dir, running
 
 from scry.devcluster import DevCluster
 
@@ -103,6 +103,15 @@ def test_started_as_root_runs_as_the_user(
     assert not (workdir / f"{kind}.pid").exists(), "the user removes its own pidfile"
     if kind == "scry":
         assert "Traceback" not in bouncer.output(), bouncer.output()
+        assert "running as root" not in _log(workdir / "scry.log")
+
+
+@as_root
+def test_root_without_user_is_warned_once(pg: DevCluster, workdir: Path) -> None:
+    """PgBouncer refuses to run as root; scry serves, and says so once."""
+    with running("scry", pg, workdir) as bouncer, bouncer.connect() as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+    assert _log(workdir / "scry.log").count("running as root") == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
