@@ -803,6 +803,11 @@ class Config(_Model):
     #: PgBouncer's tcp_defer_accept (on by default on Linux, as there): the kernel
     #: hands over a new client connection with its first packet, one wakeup fewer.
     tcp_defer_accept: bool = True
+    #: PgBouncer's dns_max_ttl and dns_nxdomain_ttl: a server host name's
+    #: addresses are looked up once per dns_max_ttl seconds, a failed lookup
+    #: kept as long as dns_nxdomain_ttl (scry.dns); 0 = at every connect.
+    dns_max_ttl: Seconds = 15
+    dns_nxdomain_ttl: Seconds = 15
     #: PgBouncer's login_notify_message: a NOTICE every client gets at login
     #: (e.g. that it reached a pooler, not PostgreSQL); empty = none.
     login_notify_message: str = ""

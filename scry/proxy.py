@@ -23,6 +23,7 @@ from scry import __version__, systemd
 from scry.auth import AuthPolicy
 from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
+from scry.dns import DnsCache
 from scry.health import HealthMonitor, Signal
 from scry.hosts import HostRotation
 from scry.hybrid import TransactionTracker, unfollowed
@@ -81,6 +82,7 @@ class Proxy:
         self.observatory.log_queries = config.log.log_queries
         self.breakers: dict[str, CircuitBreaker] = {}
         self.host_rotations: dict[str, HostRotation] = {}  # (scry.hosts: one per database)
+        self.dns = DnsCache()  # server host names' addresses (dns_max_ttl)
         self.health: dict[str, HealthMonitor] = {}
         self.observatory.query_batch_listeners.append(self._feed_health)
         self.observatory.session_state_listeners.append(self._session_state_seen)

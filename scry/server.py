@@ -217,7 +217,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
             if unix:
                 await loop.create_unix_connection(lambda: self, f"{host}/.s.PGSQL.{port}")
             else:
-                await loop.create_connection(lambda: self, host, port)
+                await self._connect_tcp(host, port)
             if self._tls_answer is not None:
                 answer = await self._tls_answer
                 if answer == b"S":
@@ -242,6 +242,22 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         except BaseException:
             self.close("login failed")
             raise
+
+    async def _connect_tcp(self, host: str, port: int) -> None:
+        """The host's addresses (scry.dns: cached, the next in turn first)
+        tried in order until one accepts the connection."""
+        config = self.pool.proxy.config
+        addresses = await self.pool.proxy.dns.addresses(
+            host, port, config.dns_max_ttl, config.dns_nxdomain_ttl
+        )
+        loop = asyncio.get_running_loop()
+        for address in addresses[:-1]:
+            try:
+                await loop.create_connection(lambda: self, address, port)
+                return
+            except OSError:
+                continue
+        await loop.create_connection(lambda: self, addresses[-1], port)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]

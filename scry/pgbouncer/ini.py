@@ -380,7 +380,7 @@ def _seconds(path: str) -> Handler:
     return _to(path, as_seconds)
 
 
-_DNS = "scry resolves host names at each connect, with the system resolver"
+_DNS = "scry looks host names up with the system resolver (getaddrinfo)"
 _TLS = "Python's ssl module sets no TLS 1.3 cipher suites or DH parameters: OpenSSL's apply"
 
 #: Every [pgbouncer] key of PgBouncer 1.25's documentation (plus 1.18's
@@ -453,10 +453,10 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "client_login_timeout": Key("60", handler=_seconds("timeouts.client_login_timeout")),
     "autodb_idle_timeout": Key("3600", handler=_compat("autodb_idle_timeout", as_seconds)),
     "pool_idle_timeout": Key("0", handler=_seconds("timeouts.pool_idle_timeout")),
-    "dns_max_ttl": Key("15", why=_DNS),
-    "dns_nxdomain_ttl": Key("15", why=_DNS),
-    "dns_zone_check_period": Key("0", why=_DNS),
-    "resolv_conf": Key("", changeable=False, why=_DNS),
+    "dns_max_ttl": Key("15", handler=_seconds("dns_max_ttl")),
+    "dns_nxdomain_ttl": Key("15", handler=_seconds("dns_nxdomain_ttl")),
+    "dns_zone_check_period": Key("0", why=f"{_DNS}, again after dns_max_ttl"),
+    "resolv_conf": Key("", changeable=False, why=f"{_DNS}, configured by /etc/resolv.conf"),
     "query_wait_notify": Key("5", handler=_seconds("timeouts.query_wait_notify")),
     "login_notify_message": Key("", handler=_to("login_notify_message")),
     "suspend_timeout": Key("10", why="SUSPEND waits for nothing"),

@@ -216,10 +216,10 @@ def show_lists(console: AdminConsole) -> bytes:
         ["login_clients", login],
         ["free_servers", 0],
         ["used_servers", servers],
-        ["dns_names", 0],
-        ["dns_zones", 0],
-        ["dns_queries", 0],
-        ["dns_pending", 0],
+        ["dns_names", len(proxy.dns.entries)],
+        ["dns_zones", 0],  # (no zone serial checks: dns_zone_check_period)
+        ["dns_queries", proxy.dns.queries],
+        ["dns_pending", proxy.dns.pending],
     ]
     return result([("list", _T), ("items", _I)], rows, "SHOW")
 
@@ -268,7 +268,8 @@ def show_mem(console: AdminConsole) -> bytes:
 
 
 def show_dns_hosts(console: AdminConsole) -> bytes:
-    return result([("hostname", _T), ("ttl", INT8), ("addrs", _T)], [], "SHOW")
+    rows = [list(row) for row in console.proxy.dns.rows()]
+    return result([("hostname", _T), ("ttl", INT8), ("addrs", _T)], rows, "SHOW")
 
 
 def show_dns_zones(console: AdminConsole) -> bytes:

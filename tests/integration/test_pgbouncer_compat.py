@@ -283,6 +283,29 @@ def test_clients_see_the_same_thing(both: tuple[Bouncer, Bouncer]) -> None:
     assert _client_script(scry) == _client_script(real)
 
 
+def test_a_host_name_is_looked_up_and_kept_as_pgbouncer_does(
+    both: tuple[Bouncer, Bouncer],
+) -> None:
+    """spread's second host is a name (localhost): the connection that takes
+    it looks it up, and SHOW DNS_HOSTS lists it with its address for up to
+    dns_max_ttl (15 s); SHOW LISTS counts it."""
+    for bouncer in both:
+        spread = [bouncer.connect(dbname="spread") for _ in range(2)]  # one server per host
+        for conn in spread:
+            conn.execute("begin")
+            conn.execute("select 1")
+        for conn in spread:
+            conn.execute("commit")
+            conn.close()
+    for bouncer in both:
+        (row,) = bouncer.admin("SHOW DNS_HOSTS")[1]
+        hostname, ttl, addrs = row
+        assert hostname == "localhost" and 0 <= int(ttl) <= 15, (bouncer.kind, row)
+        assert "127.0.0.1" in addrs, (bouncer.kind, row)
+        lists = dict(bouncer.admin("SHOW LISTS")[1])
+        assert (lists["dns_names"], lists["dns_pending"]) == (1, 0), (bouncer.kind, lists)
+
+
 def test_show_columns_match_pgbouncer(both: tuple[Bouncer, Bouncer]) -> None:
     real, scry = both
     with real.connect(), scry.connect():  # one client each, so the lists are not empty

@@ -46,6 +46,7 @@ server_reset_query = DISCARD ALL
 query_wait_timeout = 30
 pool_idle_timeout = 5min
 login_notify_message = connected through the pooler
+dns_max_ttl = 30
 server_lifetime = 1h
 idle_transaction_timeout = 1.5
 tcp_keepcnt = 5
@@ -106,6 +107,7 @@ def test_effective_config(ini_path: Path) -> None:
     assert config.timeouts.query_wait_timeout == 30
     assert config.timeouts.pool_idle_timeout == 300
     assert config.login_notify_message == "connected through the pooler"
+    assert (config.dns_max_ttl, config.dns_nxdomain_ttl) == (30, 15)
     assert config.timeouts.server_lifetime == 3600
     assert config.timeouts.idle_transaction_timeout == 1.5
     assert 0 < config.timeouts.server_check_delay < 0.001  # PgBouncer's 0 = check every time
