@@ -307,10 +307,15 @@ class Proxy:
             elif pool.unused_since is None:
                 pool.unused_since = now
             elif now - pool.unused_since >= timeout:
-                del self.pools[key]
-                pool.stale = True  # (a login plan that still names it goes the long way)
-                pool.close_all("pool_idle_timeout")
+                self.free_pool(key, "pool_idle_timeout")
                 event("pool freed", pool=pool.name, idle=round(now - pool.unused_since))
+
+    def free_pool(self, key: tuple[str, str], reason: str) -> None:
+        """Forget the pool at ``key`` (pool_idle_timeout, autodb_idle_timeout):
+        its servers close, and the next login makes a new one."""
+        pool = self.pools.pop(key)
+        pool.stale = True  # (a login plan that still names it goes the long way)
+        pool.close_all(reason)
 
     # --- breakers and health ----------------------------------------------------------
 

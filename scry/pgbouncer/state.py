@@ -96,9 +96,7 @@ def free_idle_autodbs(proxy: Proxy, now: float) -> None:
             del state.autodb[database]
             proxy.targets.pop(database, None)
             for key in [key for key in proxy.pools if key[0] == database]:
-                pool = proxy.pools.pop(key)
-                pool.stale = True  # (a login plan that still names it goes the long way)
-                pool.close_all("autodb_idle_timeout")
+                proxy.free_pool(key, "autodb_idle_timeout")
             proxy.breakers.pop(database, None)
             proxy.host_rotations.pop(database, None)
             proxy.health.pop(database, None)
