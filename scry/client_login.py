@@ -284,11 +284,20 @@ class ClientLogin:
         if proxy.client_count > proxy.config.pool.max_client_conn:
             self.fatal(TOO_MANY_CONNECTIONS, "no more connections allowed (max_client_conn)")
             return
-        if proxy.config.pgbouncer is not None:  # PgBouncer mode: console, DISABLE, '*', [users]
+        if proxy.config.pgbouncer is not None:
+            # PgBouncer mode: the console, DISABLE, SUSPEND, '*' and [users].
             from scry.pgbouncer.console import route_login
 
-            if route_login(self, packet, method):
+            if route_login(self, packet, params, method):
                 return
+        self.login_to_database(params, method, raw)
+
+    def login_to_database(
+        self, params: dict[str, str], method: str, raw: bytes | None = None
+    ) -> None:
+        """The rest of a login, once its StartupMessage passed the checks: the
+        target, the startup settings and the secret to check."""
+        proxy = self.proxy
         target = proxy.targets.get(self.database)
         if target is None:
             self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")

@@ -525,6 +525,9 @@ class PgbouncerCompatConfig(_Model):
     #: A database made from ``*`` that nothing used for this long is forgotten
     #: (its pools and breaker too); 0 = never.
     autodb_idle_timeout: Seconds = 3600
+    #: How long SUSPEND waits for a connection's unsent data to go out before
+    #: it closes that connection; 0 = wait as long as it takes.
+    suspend_timeout: Seconds = 10
     #: The pgbouncer.ini this came from (RELOAD / SIGHUP re-read it).
     conffile: str | None = None
 

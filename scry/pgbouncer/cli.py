@@ -197,6 +197,7 @@ async def serve(  # type: ignore[no-untyped-def]
     config, warnings: list[str], account: pwd.struct_passwd | None = None
 ) -> int:
     """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
+    from scry.pgbouncer.commands import resume_all
     from scry.pgbouncer.console import reload_pgbouncer_config, state_for
     from scry.pgbouncer.ini import IniError
     from scry.proxy import Proxy, freeze_startup_heap
@@ -227,9 +228,16 @@ async def serve(  # type: ignore[no-untyped-def]
 
     state.reload = reload
     loop = asyncio.get_running_loop()
-    # Before the listener opens: a SIGHUP sent as soon as the port answers must
-    # reload, not kill the process (SIGHUP's default action).
+
+    def pause() -> None:
+        state.paused_all = True
+        loop.create_task(proxy.pause())
+
+    # Before the listener opens: a SIGHUP (or SIGUSR1/2) sent as soon as the
+    # port answers must be handled, not kill the process (the default action).
     loop.add_signal_handler(signal.SIGHUP, reload)
+    loop.add_signal_handler(signal.SIGUSR1, pause)
+    loop.add_signal_handler(signal.SIGUSR2, resume_all, proxy)  # from PAUSE or SUSPEND
     try:
         await proxy.start()
     except OSError as exc:
@@ -256,20 +264,9 @@ async def serve(  # type: ignore[no-untyped-def]
             event("signal received: waiting for servers to be released", signal=signame)
             proxy.begin_drain()
 
-    def pause() -> None:
-        state.paused_all = True
-        loop.create_task(proxy.pause())
-
-    def resume() -> None:
-        state.paused_all = False
-        state.paused.clear()
-        proxy.resume()
-
     loop.add_signal_handler(signal.SIGINT, stop, "SIGINT", False)
     loop.add_signal_handler(signal.SIGTERM, stop, "SIGTERM", True)
     loop.add_signal_handler(signal.SIGQUIT, stop, "SIGQUIT", False)
-    loop.add_signal_handler(signal.SIGUSR1, pause)
-    loop.add_signal_handler(signal.SIGUSR2, resume)
     await proxy.wait_stopped()
     if proxy.admin is not None:
         await proxy.admin.stop()

@@ -3,7 +3,7 @@ RECONNECT, KILL, KILL_CLIENT, WAIT_CLOSE and SHUTDOWN, with PgBouncer's errors.
 
 Each ``cmd_*`` takes the console, the command's argument and the whole SQL
 text (for PgBouncer's "invalid command" message), and returns the answer, or
-an awaitable of it for the commands that wait (PAUSE, WAIT_CLOSE, SHUTDOWN
+an awaitable of it for the commands that wait (PAUSE, SUSPEND, WAIT_CLOSE, SHUTDOWN
 WAIT_FOR_*). Only ``admin_users`` get here (the dispatcher checks).
 """
 
@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from scry.log import event
 from scry.pgbouncer.results import ADMIN_DB, READY, ConsoleError, error, num_id, ok
 from scry.pgbouncer.state import autodb_target, state_for
+from scry.protocol.errors import PROTOCOL_VIOLATION
+from scry.server import ServerConnection
 
 if TYPE_CHECKING:
     from scry.config import Config
@@ -103,12 +106,7 @@ def cmd_resume(console: AdminConsole, arg: str, sql: str) -> bytes:
     if not arg:
         if not (st.paused_all or st.suspended or st.paused):
             raise ConsoleError("pooler is not paused/suspended")
-        st.paused_all = False
-        st.paused.clear()
-        if st.suspended:
-            st.suspended = False
-            _resume_reading(console)
-        console.proxy.resume()
+        resume_all(console.proxy)
     else:
         if arg not in console.proxy.targets:
             raise ConsoleError(f"no such database: {arg}")
@@ -120,7 +118,7 @@ def cmd_resume(console: AdminConsole, arg: str, sql: str) -> bytes:
     return ok("RESUME")
 
 
-def cmd_suspend(console: AdminConsole, arg: str, sql: str) -> bytes:
+def cmd_suspend(console: AdminConsole, arg: str, sql: str) -> Awaitable[bytes]:
     st = console.state
     if arg:
         raise ConsoleError(f"invalid command '{sql}', use SHOW HELP;")
@@ -128,28 +126,60 @@ def cmd_suspend(console: AdminConsole, arg: str, sql: str) -> bytes:
         raise ConsoleError("already suspended/paused")
     if st.paused:
         raise ConsoleError("cannot suspend with paused databases")
-    st.suspended = True
-    # scry has no socket buffers to flush: stop reading every connection.
-    for client in list(console.proxy.clients):
-        if client.transport is not None:
-            client.transport.pause_reading()
-    for pool in list(console.proxy.pools.values()):
-        for server in list(pool.servers):
-            if server.transport is not None:
-                server.transport.pause_reading()
+    st.suspended = True  # new logins wait for RESUME (scry.pgbouncer.console.route_login)
     event("SUSPEND command issued")
+    return _finish_suspend(console.proxy)
+
+
+async def _finish_suspend(proxy: Proxy) -> bytes:
+    """Stop reading every connection, then answer once what scry still had to
+    send has gone out. A connection whose data is not gone after
+    ``suspend_timeout`` is closed, as in PgBouncer."""
+    connections: list[Any] = [client for client in proxy.clients if client.transport is not None]
+    connections += [s for pool in proxy.pools.values() for s in pool.servers if s.transport]
+    for connection in connections:
+        connection.transport.pause_reading()
+    compat = proxy.config.pgbouncer
+    timeout = compat.suspend_timeout if compat is not None else 0
+    started = time.monotonic()
+    while unsent := [c for c in connections if _has_unsent_data(c.transport)]:
+        if timeout and time.monotonic() - started >= timeout:
+            for connection in unsent:
+                event("suspend_timeout: closing a connection with unsent data", logging.WARNING,
+                      id=connection.id, unsent=connection.transport.get_write_buffer_size())  # fmt: skip
+                if isinstance(connection, ServerConnection):
+                    connection.close("suspend_timeout")
+                else:
+                    connection.fatal(PROTOCOL_VIOLATION, "suspend_timeout")
+                connection.transport.abort()  # (close() would wait for the data)
+            break
+        await asyncio.sleep(0.05)  # polled, as Proxy.pause polls its pools
     return ok("SUSPEND")
 
 
-def _resume_reading(console: AdminConsole) -> None:
-    for pool in list(console.proxy.pools.values()):
-        for server in list(pool.servers):
-            if server.transport is not None and not server.paused_by_client:
-                with contextlib.suppress(Exception):
-                    server.transport.resume_reading()
-    for client in list(console.proxy.clients):
-        with contextlib.suppress(Exception):
-            client._update_reading()
+def _has_unsent_data(transport: asyncio.WriteTransport) -> bool:
+    return not transport.is_closing() and transport.get_write_buffer_size() > 0
+
+
+def resume_all(proxy: Proxy) -> None:
+    """RESUME with no database (and SIGUSR2): end PAUSE and SUSPEND alike."""
+    st = state_for(proxy)
+    st.paused_all = False
+    st.paused.clear()
+    if st.suspended:
+        st.suspended = False
+        for pool in list(proxy.pools.values()):
+            for server in list(pool.servers):
+                if server.transport is not None and not server.paused_by_client:
+                    with contextlib.suppress(Exception):
+                        server.transport.resume_reading()
+        for client in list(proxy.clients):
+            with contextlib.suppress(Exception):
+                client._update_reading()
+        held, st.held_logins = st.held_logins, []
+        for go_on in held:
+            go_on()
+    proxy.resume()
 
 
 def cmd_disable(console: AdminConsole, arg: str, sql: str) -> bytes:

@@ -34,6 +34,7 @@ from scry.pgbouncer.results import ADMIN_DB
 from scry.pgbouncer.session import ConsoleSession
 from scry.pgbouncer.state import ConsoleState, autodb_target, state_for
 from scry.protocol.errors import PROTOCOL_VIOLATION
+from scry.relay_core import AUTH
 
 if TYPE_CHECKING:
     from scry.client import ClientConnection
@@ -46,11 +47,13 @@ __all__ = [
 ]  # fmt: skip
 
 
-def route_login(client: ClientConnection, packet: StartupMessage, method: str) -> bool:
+def route_login(
+    client: ClientConnection, packet: StartupMessage, params: dict[str, str], method: str
+) -> bool:
     """Called by ``ClientConnection._begin_login`` when the config has a
     ``pgbouncer`` section, before the target lookup, with the auth method for
-    this login. Returns True when it took the connection (the console, or a
-    refusal); False to go on as usual.
+    this login. Returns True when it took the connection (the console, a
+    refusal, or a login held by SUSPEND); False to go on as usual.
 
     Also applies PgBouncer's per-database flags (DISABLE, PAUSE/KILL), the
     ``*`` fallback database and the ``[users]`` pool overrides.
@@ -70,6 +73,13 @@ def route_login(client: ClientConnection, packet: StartupMessage, method: str) -
     if database in state.disabled:
         client.fatal(PROTOCOL_VIOLATION, f"database does not allow connections: {database}")
         return True
+    if state.suspended:
+        # PgBouncer leaves new connections in the listen backlog until RESUME;
+        # scry reads their StartupMessage first, so the console stays reachable.
+        client.state = AUTH  # (as while auth_query looks: what comes waits in _startup_buf)
+        client.transport.pause_reading()
+        state.held_logins.append(lambda: _release_held_login(client, packet, params, method))
+        return True
     target = proxy.targets.get(database)
     if target is None and compat.autodb is not None:
         target = autodb_target(proxy, database)
@@ -87,6 +97,17 @@ def route_login(client: ClientConnection, packet: StartupMessage, method: str) -
         if paused and not pool.paused:
             pool.pause()
     return False
+
+
+def _release_held_login(
+    client: ClientConnection, packet: StartupMessage, params: dict[str, str], method: str
+) -> None:
+    """RESUME: go on with a login that SUSPEND held (unless it left meanwhile)."""
+    if client.state is not AUTH:
+        return
+    client.transport.resume_reading()
+    if not route_login(client, packet, params, method):
+        client.login_to_database(params, method)
 
 
 def _hand_to_console(

@@ -459,7 +459,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "resolv_conf": Key("", changeable=False, why=f"{_DNS}, configured by /etc/resolv.conf"),
     "query_wait_notify": Key("5", handler=_seconds("timeouts.query_wait_notify")),
     "login_notify_message": Key("", handler=_to("login_notify_message")),
-    "suspend_timeout": Key("10", why="SUSPEND waits for nothing"),
+    "suspend_timeout": Key("10", handler=_compat("suspend_timeout", as_seconds)),
     # --- TLS
     "client_tls_sslmode": Key("disable", handler=_to("tls.client_tls_sslmode")),
     "client_tls_key_file": Key("", handler=_str_or_skip("tls.client_tls_key_file")),

@@ -30,6 +30,8 @@ class ConsoleState:
     paused: set[str] = field(default_factory=set)  # PAUSE db / KILL db
     paused_all: bool = False
     suspended: bool = False
+    #: Logins that came during SUSPEND: each goes on when called (at RESUME).
+    held_logins: list[Callable[[], None]] = field(default_factory=list)
     shutting_down: bool = False
     #: [pgbouncer] settings changed with SET, applied on top of the file.
     overrides: dict[str, str] = field(default_factory=dict)

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,6 +282,34 @@ def _fatal_message(text: str) -> str:
 def test_clients_see_the_same_thing(both: tuple[Bouncer, Bouncer]) -> None:
     real, scry = both
     assert _client_script(scry) == _client_script(real)
+
+
+def _query_from_a_new_pool(bouncer: Bouncer, answer: list[Any]) -> None:
+    with bouncer.connect(dbname="forced") as conn:  # (a pool with no server yet)
+        answer.append(conn.execute("select 2").fetchone())
+
+
+def test_suspend_holds_new_clients_until_resume(both: tuple[Bouncer, Bouncer]) -> None:
+    """SUSPEND answers once nothing is left to send; a client that connects
+    while suspended is served only after RESUME (from the session that ran
+    SUSPEND: PgBouncer takes no new connection meanwhile), and a client that
+    was connected before goes on."""
+    for bouncer in both:
+        before = bouncer.connect()
+        before.execute("select 1")
+        with bouncer.connect("admin", "admin_pass", "pgbouncer") as admin:
+            admin.prepare_threshold = None
+            assert admin.execute("SUSPEND", prepare=False).statusmessage == "SUSPEND"
+            answer: list[Any] = []
+            thread = threading.Thread(target=_query_from_a_new_pool, args=(bouncer, answer))
+            thread.start()
+            thread.join(1.0)  # (what must not happen has no event to await)
+            assert thread.is_alive() and not answer, bouncer.kind
+            assert admin.execute("RESUME", prepare=False).statusmessage == "RESUME"
+            thread.join(10)
+            assert answer == [(2,)], bouncer.kind
+        assert before.execute("select 3").fetchone() == (3,)
+        before.close()
 
 
 def test_a_host_name_is_looked_up_and_kept_as_pgbouncer_does(

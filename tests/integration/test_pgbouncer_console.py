@@ -8,6 +8,10 @@ the console's modules cannot break one unnoticed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import signal
+import socket
+import struct
 import time
 from collections.abc import Iterator
 
@@ -74,6 +78,83 @@ def test_suspend_resume(scry_bouncer: Bouncer) -> None:
         assert b.admin("SUSPEND")[1:] == ("08P01", "already suspended/paused")
         assert b.admin("RESUME")[2] == "RESUME"
         assert conn.execute("select 2").fetchone() == (2,)
+
+
+def test_sigusr1_pauses_and_sigusr2_resumes_from_pause_or_suspend(
+    scry_bouncer: Bouncer, wait_until
+) -> None:
+    b = scry_bouncer
+    assert b.proc is not None
+
+    def state(key: str) -> str:
+        return dict(b.admin("SHOW STATE")[1])[key]
+
+    b.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: state("paused") == "yes", 10, what="SIGUSR1 to pause")
+    b.proc.send_signal(signal.SIGUSR2)
+    wait_until(lambda: state("paused") == "no", 10, what="SIGUSR2 to resume")
+    assert b.admin("SUSPEND")[2] == "SUSPEND"
+    b.proc.send_signal(signal.SIGUSR2)
+    wait_until(lambda: state("suspended") == "no", 10, what="SIGUSR2 to end SUSPEND")
+    with b.connect(dbname="forced") as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+
+
+def _md5_login(port: int, user: str, password: str, database: str) -> socket.socket:
+    """A raw md5 login with a small receive buffer: a client that can stop reading."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(15)
+    sock.connect(("127.0.0.1", port))
+    body = struct.pack("!i", 196608) + b"user\0%s\0database\0%s\0\0" % (
+        user.encode(),
+        database.encode(),
+    )
+    sock.sendall(struct.pack("!i", len(body) + 4) + body)
+    reply = sock.recv(64)
+    assert reply[:1] == b"R" and struct.unpack("!i", reply[5:9])[0] == 5, reply  # md5
+    inner = hashlib.md5((password + user).encode()).hexdigest().encode()
+    digest = b"md5" + hashlib.md5(inner + reply[9:13]).hexdigest().encode() + b"\0"
+    sock.sendall(b"p" + struct.pack("!i", len(digest) + 4) + digest)
+    seen = b""
+    while not seen.endswith(b"Z\0\0\0\x05I"):
+        seen += sock.recv(4096)
+    return sock
+
+
+def test_suspend_timeout_closes_a_client_that_does_not_read(pg: DevCluster, wait_until) -> None:
+    """SUSPEND waits for what scry still has to send; a client that reads
+    nothing is closed after suspend_timeout, and the others carry on."""
+    with bouncer_dir() as directory, running(
+        "scry", pg, directory, "suspend_timeout = 1\n"
+    ) as b:  # fmt: skip
+        other = b.connect()
+        other.execute("select 1")
+        stuck = _md5_login(b.port, "app", "app_pass", "app")
+        query = b"select repeat('x', 100000) from generate_series(1, 2000)\0"
+        stuck.sendall(b"Q" + struct.pack("!i", len(query) + 4) + query)  # 200 MB, never read
+
+        def unsent_to_clients() -> int:
+            columns, rows, _ = b.admin("SHOW SOCKETS")
+            names = [name for name, _ in columns]
+            kind, unsent = names.index("type"), names.index("send_avail")
+            return sum(row[unsent] for row in rows if row[kind] == "C")
+
+        wait_until(unsent_to_clients, 10, what="scry to hold data for the stuck client")
+        with b.connect("admin", "admin_pass", "pgbouncer") as admin:
+            admin.prepare_threshold = None
+            started = time.monotonic()
+            assert admin.execute("SUSPEND", prepare=False).statusmessage == "SUSPEND"
+            assert time.monotonic() - started >= 1.0  # it waited for the stuck client
+            with pytest.raises((ConnectionResetError, EOFError)):
+                while stuck.recv(1 << 20):  # what the kernel holds, then the close
+                    pass
+                raise EOFError
+            assert admin.execute("RESUME", prepare=False).statusmessage == "RESUME"
+        assert other.execute("select 2").fetchone() == (2,)
+        stuck.close()
+        other.close()
+        assert "suspend_timeout: closing a connection with unsent data" in b.output()
 
 
 def test_kill_database_then_resume(scry_bouncer: Bouncer) -> None:

@@ -51,6 +51,7 @@ server_lifetime = 1h
 idle_transaction_timeout = 1.5
 tcp_keepcnt = 5
 suspend_timeout = 20
+sbuf_loopcnt = 10
 log_connections = 1
 tcp_keepalive = 1
 logfile = /var/log/pgbouncer/pgbouncer.log
@@ -77,7 +78,8 @@ INCLUDED = """\
 ; repeated keys: the last one wins (this file is read after the lines above)
 default_pool_size = 25
 tcp_keepcnt = 7
-suspend_timeout = 20
+suspend_timeout = 2.5
+sbuf_loopcnt = 10
 server_login_retry = 30
 server_round_robin = 1
 server_fast_close = 1
@@ -164,6 +166,7 @@ def test_effective_config(ini_path: Path) -> None:
     assert config.pool_settings(reports, "nobody") is reports.pool
     assert compat.autodb is not None and "host=10.0.0.9" in compat.autodb.database_url
     assert compat.conffile == str(ini_path)
+    assert compat.suspend_timeout == 2.5  # (the last of two lines)
     assert config.peer_id == 1
     assert config.peers == {2: "10.0.0.22:6544"}  # its own entry (1) is skipped
 
@@ -171,9 +174,9 @@ def test_effective_config(ini_path: Path) -> None:
 def test_each_unsupported_key_is_reported_once(ini_path: Path) -> None:
     _, warnings = load_pgbouncer_config(ini_path, env={})
     unsupported = sorted(w.split(" ")[2] for w in warnings if w.startswith("not supported: "))
-    # suspend_timeout is set twice, reported once; tcp_keepalive = 1 and
+    # sbuf_loopcnt is set twice, reported once; tcp_keepalive = 1 and
     # log_connections = 1 are PgBouncer's defaults: nothing to report.
-    assert unsupported == ["suspend_timeout"], warnings
+    assert unsupported == ["sbuf_loopcnt"], warnings
     assert not any("max_user_connections" in w for w in warnings)  # in effect
     assert any(w.startswith("differs: listen_addr") for w in warnings)
     assert len(warnings) == len(set(warnings))
