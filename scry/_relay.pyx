@@ -44,7 +44,9 @@ from logging import INFO as _INFO
 
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.hybrid import SessionTracker, TransactionTracker
-from scry.log import logger as _logger  # (_logger.isEnabledFor: logging_info, a frame less)
+# (isEnabledFor: logging_connections and logging_disconnections, a frame less)
+from scry.log import connections_logger as _connections_logger
+from scry.log import disconnections_logger as _disconnections_logger
 from scry.observe.record import ClientContext
 from scry.peering import RANDOM_MASK
 from scry.protocol.classify import STATELESS_FIRST_WORDS
@@ -602,7 +604,7 @@ cdef class ClientCore:
         self.context = tuple.__new__(ClientContext, (
             self.id, self.database, self.user, self.application_name, proxy.worker_id
         ))
-        if _logger.isEnabledFor(_INFO):
+        if _connections_logger.isEnabledFor(_INFO):
             self._log_login()
 
     cdef void _leave_fast(self) except *:
@@ -639,7 +641,7 @@ cdef class ClientCore:
         cancel_key = self.cancel_key
         if cancel_key is not None:
             proxy.cancel_keys.pop(cancel_key, None)
-        if _logger.isEnabledFor(_INFO):
+        if _disconnections_logger.isEnabledFor(_INFO):
             self._log_closed("client closed")
 
     cdef void _queue_fast(self, bytes chunk, Py_ssize_t n) except *:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.client_login import ClientLogin
 from scry.client_messages import FUNCTION_CALL_MARK, SYNC_MARK, MessageModeRelay, parse_text
-from scry.log import event, logging_info
+from scry.log import disconnection_event, event, logging_disconnections
 from scry.observe.record import ClientContext
 from scry.pool import Pool, PoolStats
 from scry.protocol import messages as m
@@ -704,11 +704,11 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             self._give_back(server, pool)
         self.transport.close()
         self.proxy.on_client_closed(self)
-        if not quiet and logging_info():
+        if not quiet and logging_disconnections():
             self._log_closed(reason)
 
     def _log_closed(self, reason: str) -> None:
-        event("client closed", client=self.id, addr=self.addr, user=self.user,
+        disconnection_event("client closed", client=self.id, addr=self.addr, user=self.user,
               db=self.database, reason=reason)  # fmt: skip
 
     def _give_back(self, server: ServerConnection, pool: Pool) -> None:

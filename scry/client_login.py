@@ -24,7 +24,7 @@ from scry.auth import PASSWORD_METHODS
 from scry.auth_query import look_up_secret
 from scry.config import DatabaseTarget
 from scry.hybrid import SessionTracker, TransactionTracker
-from scry.log import event, logging_info
+from scry.log import connection_event, event, logging_connections
 from scry.observe.record import ClientContext
 from scry.pool import connect_error
 from scry.protocol import messages as m
@@ -557,7 +557,7 @@ class ClientLogin:
         self.context = ClientContext(
             self.id, self.database, self.user, self.application_name, self.proxy.worker_id
         )
-        if logging_info():  # (the address costs a getpeername syscall)
+        if logging_connections():  # (the address costs a getpeername syscall)
             self._log_login()
         early = self._reader.take_remaining() if self._reader is not None else b""
         self._reader = None
@@ -565,5 +565,5 @@ class ClientLogin:
             self._relay(early)
 
     def _log_login(self) -> None:
-        event("client login", client=self.id, addr=self.addr, user=self.user,
+        connection_event("client login", client=self.id, addr=self.addr, user=self.user,
               db=self.database, app=self.application_name, pool=self.pool.name)  # fmt: skip

@@ -559,6 +559,10 @@ class LogConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
     log_queries: bool = False
+    #: Log each login and each close (of clients and of servers), as
+    #: PgBouncer's log_connections and log_disconnections; at level info.
+    connections: bool = True
+    disconnections: bool = True
     #: PgBouncer's log_stats: every this many seconds, a ``stats`` line per
     #: database with traffic (scry.stats_log); 0 = never.
     stats_period: Seconds = 0

@@ -56,12 +56,42 @@ def setup_logging(
     logger.propagate = False
 
 
-def logging_info() -> bool:
-    """Whether INFO events are logged: check before computing costly fields (a syscall)."""
-    return logger.isEnabledFor(logging.INFO)
+#: Logins and closes of clients and servers go through these children of
+#: ``scry`` (same handler, same level), so that each kind can be turned off
+#: alone: PgBouncer's log_connections and log_disconnections.
+connections_logger = logging.getLogger("scry.connections")
+disconnections_logger = logging.getLogger("scry.disconnections")
+
+
+def log_connection_events(connections: bool, disconnections: bool) -> None:
+    """Whether logins and closes are logged (``log.connections``, ``log.disconnections``)."""
+    connections_logger.disabled = not connections
+    disconnections_logger.disabled = not disconnections
+
+
+def logging_connections() -> bool:
+    """Whether logins are logged: check before computing costly fields (a syscall)."""
+    return connections_logger.isEnabledFor(logging.INFO)
+
+
+def logging_disconnections() -> bool:
+    """Whether closes are logged."""
+    return disconnections_logger.isEnabledFor(logging.INFO)
 
 
 def event(msg: str, level: int = logging.INFO, **fields: object) -> None:
     """Log one event with structured fields."""
     if logger.isEnabledFor(level):
         logger.log(level, msg, extra={"fields": fields})
+
+
+def connection_event(msg: str, **fields: object) -> None:
+    """Log a login (of a client or a server), unless log.connections is off."""
+    if connections_logger.isEnabledFor(logging.INFO):
+        connections_logger.info(msg, extra={"fields": fields})
+
+
+def disconnection_event(msg: str, **fields: object) -> None:
+    """Log a close (of a client or a server), unless log.disconnections is off."""
+    if disconnections_logger.isEnabledFor(logging.INFO):
+        disconnections_logger.info(msg, extra={"fields": fields})

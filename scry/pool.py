@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from scry import connection_limits
 from scry.config import DatabaseTarget, PoolConfig
 from scry.hosts import session_matches, session_passes
-from scry.log import event
+from scry.log import connection_event, disconnection_event, event
 from scry.protocol import messages as m
 from scry.protocol.auth import secret_kind
 from scry.protocol.errors import CONNECTION_FAILURE
@@ -377,7 +377,7 @@ class Pool(PoolCore):
         self.last_error = None
         self.servers.add(server)
         self.servers_opened += 1
-        event(
+        connection_event(
             "server connected",
             server=server.id,
             pool=self.name,
@@ -618,7 +618,9 @@ class Pool(PoolCore):
         except ValueError:
             pass
         self.servers_closed += 1
-        event("server closed", server=server.id, pool=self.name, reason=server.close_reason)
+        disconnection_event(
+            "server closed", server=server.id, pool=self.name, reason=server.close_reason
+        )
         if self.shares_a_limit:  # (first: a peer that claimed it gets the room)
             connection_limits.server_closed(self, server, self.proxy.pools.values())
         if self.waiters:

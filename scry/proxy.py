@@ -27,7 +27,7 @@ from scry.dns import DnsCache
 from scry.health import HealthMonitor, Signal
 from scry.hosts import HostRotation
 from scry.hybrid import TransactionTracker, unfollowed
-from scry.log import event, setup_logging
+from scry.log import event, log_connection_events, setup_logging
 from scry.observe.pipeline import Observatory
 from scry.observe.record import ClientContext
 from scry.peering import KEY_MASK, Peering, cancel_pid_base, new_cancel_key
@@ -103,6 +103,7 @@ class Proxy:
 
         host, port = self.config.listen_host_port
         loop = asyncio.get_running_loop()
+        log_connection_events(self.config.log.connections, self.config.log.disconnections)
         # SO_REUSEPORT: workers share the port, and a rolling restart can bind it
         # while the old instance drains (scry.peering checks nobody else serves it).
         inherited = self.peering.take_over_listeners()
@@ -261,6 +262,7 @@ class Proxy:
         self.targets = new.targets()
         self.user_timeouts = new.user_timeouts()
         self.observatory.log_queries = new.log.log_queries
+        log_connection_events(new.log.connections, new.log.disconnections)
         for (name, _user), pool in self.pools.items():
             target = self.targets.get(name)
             if target is None or _connection_changed(pool.target, target):

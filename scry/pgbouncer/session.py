@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from scry.log import event
+from scry.log import connection_event, event
 from scry.pgbouncer import PGBOUNCER_VERSION
 from scry.pgbouncer.dispatch import AdminConsole
 from scry.pgbouncer.results import ADMIN_DB, READY, error, peer_uid
@@ -118,7 +118,7 @@ class ConsoleSession(asyncio.Protocol):
         self.console = AdminConsole(self.proxy, self.user, admin=admin, session=self)
         greeting = m.auth_ok() + b"".join(m.parameter_status(k, v) for k, v in WELCOME)
         self.transport.write(greeting + m.backend_key_data(0, 0) + READY)
-        event("console login", user=self.user, admin=admin)
+        connection_event("console login", user=self.user, admin=admin)
 
     # --- asyncio callbacks ---------------------------------------------------------
 

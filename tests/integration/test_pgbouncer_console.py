@@ -100,6 +100,28 @@ def test_sigusr1_pauses_and_sigusr2_resumes_from_pause_or_suspend(
         assert conn.execute("select 1").fetchone() == (1,)
 
 
+def test_log_connections_and_log_disconnections_turn_each_kind_off(
+    pg: DevCluster, wait_until
+) -> None:
+    """log_connections = 0 drops the login lines (clients' and servers'),
+    log_disconnections = 0 the close lines; SET turns one back on alone."""
+    extra = "log_connections = 0\nlog_disconnections = 0\n"
+    with bouncer_dir() as directory, running("scry", pg, directory, extra) as b:
+
+        def app_clients() -> int:
+            return sum(row[1] == "app" for row in b.admin("SHOW CLIENTS")[1])
+
+        for query in ("select 1", "select 2"):
+            with b.connect() as conn:
+                conn.execute(query)
+            wait_until(lambda: app_clients() == 0, 10, what="the client's close")
+            if query == "select 1":
+                assert b.admin("SET log_connections = 1")[2].startswith("SET")
+        log = b.output()
+        assert log.count("client login") == 1, log  # the second client's only
+        assert "server connected" not in log and "client closed" not in log, log
+
+
 def _md5_login(port: int, user: str, password: str, database: str) -> socket.socket:
     """A raw md5 login with a small receive buffer: a client that can stop reading."""
     sock = socket.socket()
