@@ -685,6 +685,10 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             self.transport.write(m.error_response(sqlstate, text, severity="FATAL", detail=detail))
         except Exception:
             pass
+        if self.proxy.config.log.pooler_errors and not logging_disconnections():
+            # (else the close line carries the error as its reason)
+            event("pooler error", logging.WARNING, client=self.id, addr=self.addr,
+                  sqlstate=sqlstate, error=text)  # fmt: skip
         self._cleanup(text)
 
     def _cleanup(self, reason: str, quiet: bool = False) -> None:

@@ -563,6 +563,9 @@ class LogConfig(_Model):
     #: PgBouncer's log_connections and log_disconnections; at level info.
     connections: bool = True
     disconnections: bool = True
+    #: With ``disconnections`` off, still log each error that closes a client
+    #: (PgBouncer's log_pooler_errors); with it on, the close line says it.
+    pooler_errors: bool = True
     #: PgBouncer's log_stats: every this many seconds, a ``stats`` line per
     #: database with traffic (scry.stats_log); 0 = never.
     stats_period: Seconds = 0

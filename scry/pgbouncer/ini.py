@@ -434,7 +434,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "syslog_facility": Key("daemon", handler=lambda b, k, e: None),
     "log_connections": Key("1", handler=_to("log.connections", as_bool)),
     "log_disconnections": Key("1", handler=_to("log.disconnections", as_bool)),
-    "log_pooler_errors": Key("1", why="scry always logs errors it sends"),
+    "log_pooler_errors": Key("1", handler=_to("log.pooler_errors", as_bool)),
     "log_stats": Key("1", handler=lambda b, k, e: None),  # with stats_period: _log_stats
     "verbose": Key("0", handler=_verbose),
     # --- console access

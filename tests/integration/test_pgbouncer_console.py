@@ -104,7 +104,8 @@ def test_log_connections_and_log_disconnections_turn_each_kind_off(
     pg: DevCluster, wait_until
 ) -> None:
     """log_connections = 0 drops the login lines (clients' and servers'),
-    log_disconnections = 0 the close lines; SET turns one back on alone."""
+    log_disconnections = 0 the close lines; SET turns one back on alone.
+    Errors that close a client are still logged (log_pooler_errors)."""
     extra = "log_connections = 0\nlog_disconnections = 0\n"
     with bouncer_dir() as directory, running("scry", pg, directory, extra) as b:
 
@@ -117,6 +118,11 @@ def test_log_connections_and_log_disconnections_turn_each_kind_off(
             wait_until(lambda: app_clients() == 0, 10, what="the client's close")
             if query == "select 1":
                 assert b.admin("SET log_connections = 1")[2].startswith("SET")
+        with pytest.raises(psycopg.OperationalError):
+            b.connect(dbname="nosuch")
+        # log_pooler_errors (on): the error that closed a client is still logged.
+        error = 'error="no such database: nosuch"'
+        wait_until(lambda: error in b.output(), 10, what="the pooler error's line")
         log = b.output()
         assert log.count("client login") == 1, log  # the second client's only
         assert "server connected" not in log and "client closed" not in log, log
