@@ -40,6 +40,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from scry.log import SYSLOG_FACILITIES, Syslog
 from scry.protocol.auth import SCRAM_MIN_ITERATIONS
 
 __all__ = [
@@ -569,6 +570,26 @@ class LogConfig(_Model):
     #: PgBouncer's log_stats: every this many seconds, a ``stats`` line per
     #: database with traffic (scry.stats_log); 0 = never.
     stats_period: Seconds = 0
+    #: Also send every line to syslog (PgBouncer's syslog, syslog_ident,
+    #: syslog_facility); ``syslog_address`` is a Unix datagram socket's path
+    #: or ``host:port`` (UDP). Applied at start.
+    syslog: bool = False
+    syslog_ident: str = "scry"
+    syslog_facility: str = "daemon"
+    syslog_address: str = "/dev/log"
+
+    @field_validator("syslog_facility")
+    @classmethod
+    def _known_facility(cls, value: str) -> str:
+        if value not in SYSLOG_FACILITIES:
+            raise ValueError(f"not a syslog facility: {value!r} (e.g. daemon, user, local0)")
+        return value
+
+    def syslog_target(self) -> Syslog | None:
+        """Where syslog lines go, when ``syslog`` is on (for ``setup_logging``)."""
+        if not self.syslog:
+            return None
+        return Syslog(self.syslog_ident, self.syslog_facility, self.syslog_address)
 
 
 def _read_secret_file(path: str, key: str) -> str:

@@ -8,22 +8,46 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
+import os
+import socket
 import sys
 import time
+from typing import NamedTuple
 
 logger = logging.getLogger("scry")
 
+#: syslog's facility names (``daemon``, ``local0`` ...), as PgBouncer's syslog_facility takes them.
+SYSLOG_FACILITIES = logging.handlers.SysLogHandler.facility_names
+
+
+class Syslog(NamedTuple):
+    """Where log lines go besides stderr or the log file (PgBouncer's syslog)."""
+
+    ident: str
+    facility: str
+    #: A Unix datagram socket's path, or ``host:port`` for UDP.
+    address: str
+
 
 class _KeyValueFormatter(logging.Formatter):
+    timestamps = True
+
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         fields = getattr(record, "fields", None) or {}
-        parts = [f"{ts}.{int(record.msecs):03d}Z", record.levelname.lower(), record.getMessage()]
+        parts = [record.levelname.lower(), record.getMessage()]
+        if self.timestamps:
+            ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            parts.insert(0, f"{ts}.{int(record.msecs):03d}Z")
         parts.extend(f"{k}={_quote(v)}" for k, v in fields.items())
         line = " ".join(parts)
         if record.exc_info and record.levelno >= logging.ERROR:
             line += "\n" + self.formatException(record.exc_info)
         return line
+
+
+class _SyslogFormatter(_KeyValueFormatter):
+    timestamps = False  # (syslog stamps each line itself)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -45,15 +69,49 @@ def _quote(value: object) -> str:
 
 
 def setup_logging(
-    level: str = "info", fmt: str = "text", stream=None, path: str | None = None
+    level: str = "info",
+    fmt: str = "text",
+    stream=None,
+    path: str | None = None,
+    syslog: Syslog | None = None,
 ) -> None:
-    """Configure the ``scry`` logger (stderr by default)."""
+    """Configure the ``scry`` logger (stderr by default; syslog as well)."""
     handler: logging.Handler
     handler = logging.FileHandler(path) if path else logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _KeyValueFormatter())
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False
+    if syslog is not None:
+        _add_syslog(syslog)
+
+
+class _SyslogHandler(logging.handlers.SysLogHandler):
+    """Drops a line syslog does not take (its daemon restarting, say), as
+    C's syslog() does, instead of printing a traceback to stderr."""
+
+    dropped = 0
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.dropped += 1
+
+
+def _add_syslog(syslog: Syslog) -> None:
+    host, _, port = syslog.address.rpartition(":")
+    address: str | tuple[str, int] = (
+        (host, int(port)) if host and port.isdigit() else syslog.address
+    )
+    handler = _SyslogHandler(address, facility=SYSLOG_FACILITIES[syslog.facility])
+    handler.ident = f"{syslog.ident}[{os.getpid()}]: "
+    handler.setFormatter(_SyslogFormatter())
+    logger.addHandler(handler)
+    if isinstance(address, str):  # (the handler itself ignores a socket it cannot reach)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect(address)
+            except OSError as exc:
+                event("syslog unreachable: its lines are dropped until it is",
+                      logging.WARNING, address=address, error=exc.strerror or str(exc))  # fmt: skip
 
 
 #: Logins and closes of clients and servers go through these children of

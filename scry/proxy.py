@@ -681,7 +681,7 @@ def run_proxy(
         if workers > 1:
             return run_supervisor(config, config_path, workers, replace)
         identity = WorkerIdentity(instance=os.getpid(), replace=replace)
-    setup_logging(config.log.level, config.log.format)
+    setup_logging(config.log.level, config.log.format, syslog=config.log.syslog_target())
     from scry.event_loop import run
 
     return run(serve(config, config_path, identity))

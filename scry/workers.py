@@ -355,5 +355,5 @@ class Supervisor:
 
 def run_supervisor(config: Config, config_path: str | None, workers: int, replace: bool) -> int:
     """Entry point for ``scry serve`` with more than one worker."""
-    setup_logging(config.log.level, config.log.format)
+    setup_logging(config.log.level, config.log.format, syslog=config.log.syslog_target())
     return asyncio.run(Supervisor(config, config_path, workers, replace).run())

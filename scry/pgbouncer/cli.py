@@ -172,7 +172,10 @@ def _setup_logging(  # type: ignore[no-untyped-def]
     config, *, quiet: bool, logfile: str | None, owner: pwd.struct_passwd | None = None
 ) -> None:
     made = bool(logfile) and not os.path.exists(logfile)  # (an existing one keeps its owner)
-    setup_logging(config.log.level, config.log.format, path=logfile if quiet else None)
+    setup_logging(
+        config.log.level, config.log.format, path=logfile if quiet else None,
+        syslog=config.log.syslog_target(),
+    )  # fmt: skip
     if logfile and not quiet:  # PgBouncer: logfile does not turn off stderr; -q does
         handler = logging.FileHandler(logfile)
         handler.setFormatter(logger.handlers[0].formatter)

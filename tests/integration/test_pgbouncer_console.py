@@ -128,6 +128,32 @@ def test_log_connections_and_log_disconnections_turn_each_kind_off(
         assert "server connected" not in log and "client closed" not in log, log
 
 
+def test_syslog_gets_every_line_with_pgbouncers_ident(pg: DevCluster) -> None:
+    """syslog = 1 sends the log lines to syslog too (here a socket of the
+    test's, set with the [scry] section's log.syslog_address), tagged with
+    PgBouncer's default ident and the ini's facility."""
+    with bouncer_dir() as directory, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
+        address = directory / "syslog.sock"
+        syslog.bind(str(address))
+        syslog.settimeout(10)
+        b = Bouncer("scry", pg, directory)
+        b.write_ini("syslog = 1\nsyslog_facility = local3\n")
+        b.ini.write_text(b.ini.read_text() + f"[scry]\nlog.syslog_address = {address}\n")
+        b.start()
+        try:
+            with b.connect() as conn:
+                conn.execute("select 1")
+            line = b""
+            while b"client login" not in line:  # (after the start's lines)
+                line = syslog.recv(4096)
+            local3_info = 19 * 8 + 6
+            assert line.startswith(b"<%d>pgbouncer[%d]: info client login " % (
+                local3_info, b.proc.pid if b.proc else 0,
+            )), line  # fmt: skip
+        finally:
+            b.stop()
+
+
 def _md5_login(port: int, user: str, password: str, database: str) -> socket.socket:
     """A raw md5 login with a small receive buffer: a client that can stop reading."""
     sock = socket.socket()

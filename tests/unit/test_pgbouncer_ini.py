@@ -167,6 +167,7 @@ def test_effective_config(ini_path: Path) -> None:
     assert compat.autodb is not None and "host=10.0.0.9" in compat.autodb.database_url
     assert compat.conffile == str(ini_path)
     assert compat.suspend_timeout == 2.5  # (the last of two lines)
+    assert config.log.syslog_ident == "pgbouncer" and not config.log.syslog  # (PgBouncer's)
     assert config.peer_id == 1
     assert config.peers == {2: "10.0.0.22:6544"}  # its own entry (1) is skipped
 
