@@ -121,7 +121,7 @@ def serve(
 ) -> None:
     """Run the proxy in the foreground; logs go to stderr."""
     if pgbouncer_config is not None:
-        raise typer.Exit(_serve_pgbouncer(pgbouncer_config, config, workers))
+        raise typer.Exit(_serve_pgbouncer(pgbouncer_config, config, workers, replace))
     overrides = {"workers": workers} if workers is not None else None
     cfg = _load(config, overrides)
     config_path = str(config) if config is not None else None
@@ -143,7 +143,7 @@ def serve(
     raise typer.Exit(run_proxy(cfg, config_path))
 
 
-def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None) -> int:
+def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None, replace: bool) -> int:
     """``scry serve --pgbouncer-config``: the same conversion as scry-pgbouncer."""
     from scry.pgbouncer.account import AccountError, find_account
     from scry.pgbouncer.cli import _setup_logging, run
@@ -166,7 +166,7 @@ def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None) -> int
     for warning in warnings:
         typer.echo(f"scry: {warning}", err=True)
     _setup_logging(cfg, quiet=False, logfile=cfg.pgbouncer.logfile, owner=account)
-    return run(cfg, warnings, account)
+    return run(cfg, warnings, account, replace=replace)
 
 
 @app.command("check-config")

@@ -41,7 +41,10 @@ Usage:
 Options:
   -d, --daemon         run in background (as a daemon)
   -q, --quiet          run quietly
-  -R, --reboot         do an online reboot (not supported by scry)
+  -R, --reboot         do an online reboot (not supported by scry: see --replace)
+      --replace        rolling restart: take over the listening socket of the
+                       scry serving this port, which then waits for its
+                       clients to leave and exits
   -u, --user=USERNAME  assume identity of USERNAME
   -v, --verbose        increase verbosity
   -V, --version        show version, then exit
@@ -54,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-d", "--daemon", action="store_true")
     parser.add_argument("-q", "--quiet", action="store_true")
     parser.add_argument("-R", "--reboot", action="store_true")
+    parser.add_argument("--replace", action="store_true")
     parser.add_argument("-u", "--user")
     parser.add_argument("-v", "--verbose", action="count", default=0)
     parser.add_argument("-V", "--version", action="store_true")
@@ -80,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.reboot:
         return _fail(
-            "-R (online reboot) is deprecated in PgBouncer and not supported: restart with "
-            "a second instance on the same port instead (scry serve --workers / so_reuseport)"
+            "-R (online reboot) is deprecated in PgBouncer and not supported: start the new "
+            "process with --replace instead (it takes the listening socket over; the old "
+            "one keeps its clients until they leave)"
         )
     if not args.config:
         return _fail("need config file", 2)
@@ -110,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quiet:
             print(f"{PROG}: {warning}", file=sys.stderr)
     pidfile = compat.pidfile
-    if pidfile:
+    if pidfile and not args.replace:  # (with --replace, that instance is leaving)
         problem = _check_pidfile(pidfile)
         if problem:
             return _fail(problem)
@@ -125,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for warning in warnings:
             event(warning, logging.WARNING)
-        return run(config, warnings, account)
+        return run(config, warnings, account, replace=args.replace)
     finally:
         if pidfile:
             with contextlib.suppress(OSError):
@@ -187,25 +192,32 @@ def _setup_logging(  # type: ignore[no-untyped-def]
 
 
 def run(  # type: ignore[no-untyped-def]
-    config, warnings: list[str] | None = None, account: pwd.struct_passwd | None = None
+    config,
+    warnings: list[str] | None = None,
+    account: pwd.struct_passwd | None = None,
+    *,
+    replace: bool = False,
 ) -> int:
     """Serve ``config`` (from a pgbouncer.ini) until a signal stops it, as
-    ``account`` once the configuration is read."""
+    ``account`` once the configuration is read; ``replace``: take over the
+    listening sockets of the scry serving the port (``--replace``)."""
     from scry.event_loop import run as run_loop
 
-    return run_loop(serve(config, warnings or [], account))
+    return run_loop(serve(config, warnings or [], account, replace))
 
 
 async def serve(  # type: ignore[no-untyped-def]
-    config, warnings: list[str], account: pwd.struct_passwd | None = None
+    config, warnings: list[str], account: pwd.struct_passwd | None = None, replace: bool = False
 ) -> int:
     """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
     from scry.pgbouncer.commands import resume_all
-    from scry.pgbouncer.console import reload_pgbouncer_config, state_for
+    from scry.pgbouncer.console import reload_pgbouncer_config, remove_unix_socket, state_for
     from scry.pgbouncer.ini import IniError
     from scry.proxy import Proxy, freeze_startup_heap
+    from scry.workers import WorkerIdentity
 
-    proxy = Proxy(config, None)  # (reads auth_file, hba and TLS files while still root)
+    identity = WorkerIdentity(instance=os.getpid(), replace=replace)
+    proxy = Proxy(config, None, identity)  # (reads auth_file, hba and TLS files while still root)
     if account is not None:
         try:
             become(account)
@@ -274,9 +286,7 @@ async def serve(  # type: ignore[no-untyped-def]
     if proxy.admin is not None:
         await proxy.admin.stop()
     await proxy.observatory.stop()
-    if state.unix_path:  # PgBouncer removes its socket file at exit
-        with contextlib.suppress(OSError):
-            os.unlink(state.unix_path)
+    remove_unix_socket(proxy)  # PgBouncer removes its socket file at exit
     event("stopped")
     return 0
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdminConsole", "ConsoleSession", "ConsoleState", "apply_config", "reload_pgbouncer_config",
-    "route_login", "start_unix_listener", "state_for",
+    "remove_unix_socket", "route_login", "start_unix_listener", "state_for",
 ]  # fmt: skip
 
 
@@ -99,6 +99,23 @@ def route_login(
     return False
 
 
+def remove_unix_socket(proxy: Proxy) -> None:
+    """At exit: remove the socket file this process made, unless a scry that
+    replaced it (``--replace``) has made its own at that path since."""
+    state = state_for(proxy)
+    if state.unix_path is None:
+        return
+    with contextlib.suppress(OSError):
+        if _file_identity(state.unix_path) == state.unix_file:
+            os.unlink(state.unix_path)
+
+
+def _file_identity(path: str) -> tuple[int, int, int]:
+    # (An inode number alone may be reused at once for the replacement's file.)
+    info = os.stat(path)
+    return info.st_dev, info.st_ino, info.st_ctime_ns
+
+
 def _release_held_login(
     client: ClientConnection, packet: StartupMessage, params: dict[str, str], method: str
 ) -> None:
@@ -145,11 +162,13 @@ async def start_unix_listener(proxy: Proxy) -> asyncio.Server:
     server = await loop.create_unix_server(
         lambda: ClientConnection(proxy), path, backlog=proxy.config.listen_backlog
     )
-    state_for(proxy).unix_path = path
+    state = state_for(proxy)
+    state.unix_path = path
     os.chmod(path, compat.unix_socket_mode)
     if compat.unix_socket_group:
         import grp
 
         os.chown(path, -1, grp.getgrnam(compat.unix_socket_group).gr_gid)
+    state.unix_file = _file_identity(path)  # (after chmod and chown: they change its ctime)
     event("listening", addr=f"unix:{path}")
     return server

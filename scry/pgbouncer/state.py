@@ -40,8 +40,10 @@ class ConsoleState:
     #: (time.monotonic(), {database: totals}) for SHOW STATS averages.
     snapshots: deque[tuple[float, dict[str, list[int]]]] = field(default_factory=deque)
     warned: set[str] = field(default_factory=set)
-    #: The Unix socket file this process created (removed at exit).
+    #: The Unix socket file this process created (removed at exit), and what
+    #: tells it from a file a replacing process made at the same path since.
     unix_path: str | None = None
+    unix_file: tuple[int, int, int] | None = None
     #: Databases made from ``*``: name -> when last seen in use (time.monotonic()).
     autodb: dict[str, float] = field(default_factory=dict)
 

@@ -1,0 +1,50 @@
+"""scry-pgbouncer --replace: a rolling restart from a pgbouncer.ini.
+
+The new process takes the listening socket over (so no connection is
+refused); the old one keeps its clients until they leave, then exits without
+removing the pidfile or the Unix socket the new one made.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from test_pgbouncer_compat import Bouncer, bouncer_dir
+
+from scry.devcluster import DevCluster
+
+
+def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
+    pg: DevCluster, wait_until
+) -> None:
+    with bouncer_dir() as directory:
+        old = Bouncer("scry", pg, directory)
+        old.start()
+        new = Bouncer("scry", pg, directory)
+        new.port = old.port  # (the same ini: same port, pidfile and socket)
+        new.write_ini()
+        try:
+            held = old.connect()
+            held.execute("begin")
+            held.execute("select 1")
+            new.start("--replace")
+            wait_until(lambda: "took over listening sockets" in old.output(), 15, what="takeover")
+            assert old.proc is not None and new.proc is not None
+            assert old.proc.poll() is None  # the old one stays for its client
+            assert held.execute("select 2").fetchone() == (2,)
+            held.execute("commit")
+            held.close()
+            assert old.proc.wait(15) == 0
+            with new.connect() as conn:  # TCP
+                assert conn.execute("select 3").fetchone() == (3,)
+            with psycopg.connect(
+                host=str(directory), port=new.port, user="app", password="app_pass",
+                dbname="app", connect_timeout=10,
+            ) as conn:  # fmt: skip
+                assert conn.execute("select 4").fetchone() == (4,)
+            pidfile = directory / "scry.pid"
+            assert pidfile.read_text().strip() == str(new.proc.pid)
+        finally:
+            new.stop()
+            old.stop()
+        assert not (directory / f".s.PGSQL.{new.port}").exists()  # the new one removed its own
+        assert "Traceback" not in new.output()
