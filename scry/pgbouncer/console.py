@@ -85,15 +85,17 @@ def route_login(
         target = autodb_target(proxy, database)
     if target is None:
         return False
-    override = compat.users.get(packet.user)
+    # A [users] line is the pool's user's, as in PgBouncer: for a database
+    # with a forced user, that user's, whoever the client is.
+    user, password = proxy.auth.server_credentials(target, packet.user)
+    override = compat.users.get(user)
     paused = state.paused_all or database in state.paused
     if override is not None or paused:
         # Create the pool now (the normal path then finds it) to apply
         # [users] overrides and a PAUSE that came before the pool existed.
-        user, password = proxy.auth.server_credentials(target, packet.user)
         pool = proxy.pool_for(target, user, password)
         if override is not None:
-            pool.use_settings(proxy.config.pool_settings(target, packet.user), packet.user)
+            pool.use_settings(proxy.config.pool_settings(target, user), user)
         if paused and not pool.paused:
             pool.pause()
     return False

@@ -211,12 +211,21 @@ def running(kind: str, pg: DevCluster, directory: Path, extra: str = "") -> Iter
     bouncer = Bouncer(kind, pg, directory)
     if extra:
         bouncer.write_ini(extra)
+    with running_bouncer(bouncer):
+        yield bouncer
+
+
+@contextlib.contextmanager
+def running_bouncer(bouncer: Bouncer) -> Iterator[Bouncer]:
+    """``bouncer`` (its ini written), started and stopped."""
+    if bouncer.kind == "pgbouncer" and not HAVE_PGBOUNCER:
+        pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
     bouncer.start()
     try:
         yield bouncer
     finally:
         bouncer.stop()
-    if kind == "scry":
+    if bouncer.kind == "scry":
         assert "Traceback" not in bouncer.output(), bouncer.output()
 
 
@@ -282,6 +291,40 @@ def _fatal_message(text: str) -> str:
 def test_clients_see_the_same_thing(both: tuple[Bouncer, Bouncer]) -> None:
     real, scry = both
     assert _client_script(scry) == _client_script(real)
+
+
+def test_a_users_line_applies_to_the_pools_user_not_the_clients(pg: DevCluster, wait_until) -> None:
+    """[users] settings belong to a pool's user, as in PgBouncer: a client
+    logging in as stats to `forced` (whose server user is app) shares app's
+    pool, which stats's line (max_user_connections=1) does not limit."""
+    for kind in ("pgbouncer", "scry"):
+        with bouncer_dir() as directory:
+            bouncer = Bouncer(kind, pg, directory)
+            bouncer.ini.write_text(
+                bouncer.ini.read_text() + "[users]\nstats = max_user_connections=1\n"
+            )
+            with running_bouncer(bouncer):
+                _two_transactions_get_two_servers(bouncer, wait_until)
+
+
+def _two_transactions_get_two_servers(bouncer: Bouncer, wait_until) -> None:
+    first, second = (bouncer.connect("stats", "stats_pass", "forced") for _ in "12")
+    first.execute("begin")
+    first.execute("select 1")
+    second.execute("begin")
+    thread = threading.Thread(target=second.execute, args=("select 2",), daemon=True)
+    thread.start()
+
+    def forced_servers_active() -> bool:
+        columns, rows, _ = bouncer.admin("SHOW POOLS")
+        names = [name for name, _ in columns]
+        db, active = names.index("database"), names.index("sv_active")
+        return any(row[db] == "forced" and row[active] == 2 for row in rows)
+
+    wait_until(forced_servers_active, 10, what=f"{bouncer.kind}: two servers for forced")
+    thread.join(10)
+    first.close()
+    second.close()
 
 
 def _query_from_a_new_pool(bouncer: Bouncer, answer: list[Any]) -> None:
