@@ -572,7 +572,7 @@ class LogConfig(_Model):
     stats_period: Seconds = 0
     #: Also send every line to syslog (PgBouncer's syslog, syslog_ident,
     #: syslog_facility); ``syslog_address`` is a Unix datagram socket's path
-    #: or ``host:port`` (UDP). Applied at start.
+    #: or ``host:port`` (UDP).
     syslog: bool = False
     syslog_ident: str = "scry"
     syslog_facility: str = "daemon"

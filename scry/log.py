@@ -82,6 +82,15 @@ def setup_logging(
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False
+    use_syslog(syslog)
+
+
+def use_syslog(syslog: Syslog | None) -> None:
+    """Send the log lines to ``syslog`` as well (at start, and on a reload
+    that changes it); None stops sending them."""
+    for handler in [h for h in logger.handlers if isinstance(h, _SyslogHandler)]:
+        logger.removeHandler(handler)
+        handler.close()
     if syslog is not None:
         _add_syslog(syslog)
 

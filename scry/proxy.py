@@ -27,7 +27,7 @@ from scry.dns import DnsCache
 from scry.health import HealthMonitor, Signal
 from scry.hosts import HostRotation
 from scry.hybrid import TransactionTracker, unfollowed
-from scry.log import event, log_connection_events, setup_logging
+from scry.log import event, log_connection_events, logger, setup_logging, use_syslog
 from scry.observe.pipeline import Observatory
 from scry.observe.record import ClientContext
 from scry.peering import KEY_MASK, Peering, cancel_pid_base, new_cancel_key
@@ -253,7 +253,11 @@ class Proxy:
             return False
         if new.listen_addr != self.config.listen_addr:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
-        self.config = new
+        old_log, self.config = self.config.log, new
+        if new.log.level != old_log.level:
+            logger.setLevel(new.log.level.upper())
+        if (syslog := new.log.syslog_target()) != old_log.syslog_target():
+            use_syslog(syslog)
         self.cancel_pid_base = cancel_pid_base(self.peering.peer_id, self.worker_id)
         self._tune_listeners()
         self.auth = auth

@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for warning in warnings:
             event(warning, logging.WARNING)
-        return run(config, warnings, account, replace=args.replace)
+        return run(config, warnings, account, replace=args.replace, verbose=args.verbose)
     finally:
         if pidfile:
             with contextlib.suppress(OSError):
@@ -197,17 +197,23 @@ def run(  # type: ignore[no-untyped-def]
     account: pwd.struct_passwd | None = None,
     *,
     replace: bool = False,
+    verbose: int = 0,
 ) -> int:
     """Serve ``config`` (from a pgbouncer.ini) until a signal stops it, as
     ``account`` once the configuration is read; ``replace``: take over the
-    listening sockets of the scry serving the port (``--replace``)."""
+    listening sockets of the scry serving the port (``--replace``);
+    ``verbose``: how many ``-v`` (kept over the ini's ``verbose`` by reloads)."""
     from scry.event_loop import run as run_loop
 
-    return run_loop(serve(config, warnings or [], account, replace))
+    return run_loop(serve(config, warnings or [], account, replace, verbose))
 
 
 async def serve(  # type: ignore[no-untyped-def]
-    config, warnings: list[str], account: pwd.struct_passwd | None = None, replace: bool = False
+    config,
+    warnings: list[str],
+    account: pwd.struct_passwd | None = None,
+    replace: bool = False,
+    verbose: int = 0,
 ) -> int:
     """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
     from scry.pgbouncer.commands import resume_all
@@ -231,6 +237,8 @@ async def serve(  # type: ignore[no-untyped-def]
         event("running as root: set user in the ini (or start as another user)", logging.WARNING)
     state = state_for(proxy)
     state.warned.update(warnings)
+    if verbose:  # (as a SET would be: a reload keeps it, SHOW CONFIG shows it)
+        state.overrides["verbose"] = str(verbose)
 
     def apply_ini() -> None:
         try:

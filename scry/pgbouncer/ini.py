@@ -429,9 +429,9 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "auth_dbname": Key("", handler=_str_or_skip("auth.auth_dbname")),
     "auth_ldap_options": Key("", why="no LDAP authentication"),
     # --- logging
-    "syslog": Key("0", changeable=False, handler=_to("log.syslog", as_bool)),
-    "syslog_ident": Key("pgbouncer", changeable=False, handler=_to("log.syslog_ident")),
-    "syslog_facility": Key("daemon", changeable=False, handler=_to("log.syslog_facility")),
+    "syslog": Key("0", handler=_to("log.syslog", as_bool)),
+    "syslog_ident": Key("pgbouncer", handler=_to("log.syslog_ident")),
+    "syslog_facility": Key("daemon", handler=_to("log.syslog_facility")),
     "log_connections": Key("1", handler=_to("log.connections", as_bool)),
     "log_disconnections": Key("1", handler=_to("log.disconnections", as_bool)),
     "log_pooler_errors": Key("1", handler=_to("log.pooler_errors", as_bool)),

@@ -69,6 +69,19 @@ def test_sighup_adds_database_and_resizes_pool(scry_proxy, pg, wait_until) -> No
     assert proxy.returncode is None  # never restarted
 
 
+def test_sighup_applies_a_new_log_level(scry_proxy, wait_until) -> None:
+    proxy = scry_proxy({"log": {"level": "warning"}})
+    with connect(proxy) as conn:
+        conn.execute("select 1")
+    proxy.update_config({"log": {"level": "info"}})
+    proxy.send_signal(signal.SIGHUP)
+    wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+    assert "client login" not in proxy.log_text()  # (at warning, before the reload)
+    with connect(proxy) as conn:
+        conn.execute("select 2")
+    wait_until(lambda: "client login" in proxy.log_text(), 5, what="the login's line")
+
+
 def test_sighup_moving_a_database_carries_its_clients_over(scry_proxy, pg, wait_until) -> None:
     # A reload that changes where a database lives retires the old pool; a
     # client logged in before it gets its next server from the new one. (It

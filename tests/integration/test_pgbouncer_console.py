@@ -128,28 +128,32 @@ def test_log_connections_and_log_disconnections_turn_each_kind_off(
         assert "server connected" not in log and "client closed" not in log, log
 
 
-def test_syslog_gets_every_line_with_pgbouncers_ident(pg: DevCluster) -> None:
-    """syslog = 1 sends the log lines to syslog too (here a socket of the
-    test's, set with the [scry] section's log.syslog_address), tagged with
-    PgBouncer's default ident and the ini's facility."""
+def test_syslog_set_on_gets_every_line_with_pgbouncers_ident(pg: DevCluster) -> None:
+    """SET syslog = 1 (a reload) sends the log lines to syslog too (here a
+    socket of the test's, set with the [scry] section's log.syslog_address),
+    tagged with PgBouncer's default ident and the ini's facility."""
     with bouncer_dir() as directory, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
         address = directory / "syslog.sock"
         syslog.bind(str(address))
         syslog.settimeout(10)
         b = Bouncer("scry", pg, directory)
-        b.write_ini("syslog = 1\nsyslog_facility = local3\n")
+        b.write_ini("syslog_facility = local3\n")
         b.ini.write_text(b.ini.read_text() + f"[scry]\nlog.syslog_address = {address}\n")
         b.start()
         try:
-            with b.connect() as conn:
+            with b.connect() as conn:  # (not sent: syslog is off)
                 conn.execute("select 1")
+            assert b.admin("SET syslog = 1")[2].startswith("SET")
+            with b.connect() as conn:
+                conn.execute("select 2")
             line = b""
-            while b"client login" not in line:  # (after the start's lines)
+            while b"client login" not in line:  # (after the reload's lines)
                 line = syslog.recv(4096)
             local3_info = 19 * 8 + 6
             assert line.startswith(b"<%d>pgbouncer[%d]: info client login " % (
                 local3_info, b.proc.pid if b.proc else 0,
             )), line  # fmt: skip
+            assert b.output().count("client login") == 2  # stderr has both
         finally:
             b.stop()
 
