@@ -12,11 +12,14 @@ import os
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from scry import __version__
+
+if TYPE_CHECKING:
+    from scry.config import Config
 
 app = typer.Typer(
     name="scry",
@@ -27,6 +30,14 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
+PgbouncerConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--pgbouncer-config",
+        help="Read settings from a pgbouncer.ini instead of YAML (see docs/migrating-from-pgbouncer.md).",
+        show_default=False,
+    ),
+]
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
@@ -87,14 +98,7 @@ def _load(config_path: Path | None, overrides: dict[str, Any] | None = None) -> 
 @app.command()
 def serve(
     config: ConfigOption = None,
-    pgbouncer_config: Annotated[
-        Path | None,
-        typer.Option(
-            "--pgbouncer-config",
-            help="Read settings from a pgbouncer.ini instead of YAML (see docs/migrating-from-pgbouncer.md).",
-            show_default=False,
-        ),
-    ] = None,
+    pgbouncer_config: PgbouncerConfigOption = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -143,42 +147,57 @@ def serve(
     raise typer.Exit(run_proxy(cfg, config_path))
 
 
-def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None, replace: bool) -> int:
-    """``scry serve --pgbouncer-config``: the same conversion as scry-pgbouncer."""
-    from scry.pgbouncer.account import AccountError, find_account
-    from scry.pgbouncer.cli import _setup_logging, run
+def _load_pgbouncer(ini: Path, config: Path | None) -> tuple[Config, list[str]]:
+    """A pgbouncer.ini's Config and what scry does not honour of it (also
+    printed to stderr)."""
     from scry.pgbouncer.ini import IniError, load_pgbouncer_config
 
     if config is not None:
         raise _fail(
             "use either --config or --pgbouncer-config (a [scry] section in the ini sets scry-only keys)"
         )
-    if workers not in (None, 1):
-        raise _fail("--workers is not supported with --pgbouncer-config yet")
     try:
         cfg, warnings = load_pgbouncer_config(ini)
     except IniError as exc:
         raise _fail(f"config error: {exc}") from None
+    for warning in warnings:
+        typer.echo(f"scry: {warning}", err=True)
+    return cfg, warnings
+
+
+def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None, replace: bool) -> int:
+    """``scry serve --pgbouncer-config``: the same conversion as scry-pgbouncer."""
+    from scry.pgbouncer.account import AccountError, find_account
+    from scry.pgbouncer.cli import _setup_logging, run
+
+    if workers not in (None, 1):
+        raise _fail("--workers is not supported with --pgbouncer-config yet")
+    cfg, warnings = _load_pgbouncer(ini, config)
     try:
         account = find_account(cfg.pgbouncer.user) if cfg.pgbouncer.user else None
     except AccountError as exc:
         raise _fail(str(exc)) from None
-    for warning in warnings:
-        typer.echo(f"scry: {warning}", err=True)
     _setup_logging(cfg, quiet=False, logfile=cfg.pgbouncer.logfile, owner=account)
     return run(cfg, warnings, account, replace=replace)
 
 
 @app.command("check-config")
-def check_config(config: ConfigOption = None) -> None:
-    """Validate the config and print the effective settings (secrets masked)."""
+def check_config(
+    config: ConfigOption = None, pgbouncer_config: PgbouncerConfigOption = None
+) -> None:
+    """Validate the config and print the effective settings (secrets masked).
+    With --pgbouncer-config: what scry makes of a pgbouncer.ini, and what of
+    it scry does not honour."""
     import yaml
 
     from scry.auth import AuthPolicy
     from scry.config import ConfigError
     from scry.tls import client_tls, server_tls
 
-    cfg = _load(config)
+    if pgbouncer_config is None:
+        cfg = _load(config)
+    else:
+        cfg, _ = _load_pgbouncer(pgbouncer_config, config)
     try:
         AuthPolicy.from_config(cfg)  # the auth_file and auth_hba_file, read as serve reads them
         client_tls(cfg.tls), server_tls(cfg.tls)  # certificates, TLS versions and ciphers

@@ -7,8 +7,13 @@ removing the pidfile or the Unix socket the new one made.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import psycopg
-from test_pgbouncer_compat import Bouncer, bouncer_dir
+from test_pgbouncer_compat import REPO, Bouncer, bouncer_dir
 
 from scry.devcluster import DevCluster
 
@@ -48,3 +53,26 @@ def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
             old.stop()
         assert not (directory / f".s.PGSQL.{new.port}").exists()  # the new one removed its own
         assert "Traceback" not in new.output()
+
+
+def test_scry_serve_pgbouncer_config_replace(pg: DevCluster) -> None:
+    """``scry serve --pgbouncer-config INI --replace`` takes over from a
+    scry-pgbouncer on that ini; the old one, with no client, exits at once."""
+    with bouncer_dir() as directory:
+        old = Bouncer("scry", pg, directory)
+        old.start()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SCRY_")}
+        env["SCRY_ADMIN__ENABLED"] = "false"
+        cmd = [sys.executable, "-m", "scry.cli", "serve", "--pgbouncer-config", str(old.ini)]
+        with open(directory / "serve.out", "wb") as out:
+            new = subprocess.Popen([*cmd, "--replace"], cwd=REPO, env=env, stdout=out, stderr=out)
+        try:
+            assert old.proc is not None and old.proc.wait(15) == 0
+            with old.connect() as conn:  # (the same port: the new process now)
+                assert conn.execute("select 1").fetchone() == (1,)
+            assert new.poll() is None
+        finally:
+            new.send_signal(signal.SIGINT)
+            new.wait(10)
+            old.stop()
+        assert "took over listening sockets" in (directory / "serve.out").read_text()

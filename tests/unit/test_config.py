@@ -504,6 +504,29 @@ def test_check_config_ok_and_masked(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert yaml.safe_load(result.stdout.replace("config ok", ""))["pool"]["size"] == 100
 
 
+def test_check_config_of_a_pgbouncer_ini(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What scry makes of a pgbouncer.ini: the effective settings (secrets
+    masked) on stdout, what it does not honour on stderr."""
+    monkeypatch.delenv("SCRY_CONFIG", raising=False)
+    ini = tmp_path / "pgbouncer.ini"
+    ini.write_text(
+        "[databases]\n"
+        f"app = host=127.0.0.1 port=5432 dbname=app user=app password={SECRET}\n"
+        "[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = 6499\nauth_type = trust\n"
+        "pool_mode = transaction\ndefault_pool_size = 7\npkt_buf = 8192\n"
+    )
+    result = CliRunner().invoke(app, ["check-config", "--pgbouncer-config", str(ini)])
+    assert result.exit_code == 0, result.output
+    assert "not supported: pkt_buf" in result.stderr
+    assert result.stdout.endswith("config ok\n") and SECRET not in result.stdout
+    effective = yaml.safe_load(result.stdout.replace("config ok", ""))
+    assert effective["pool"]["mode"] == "transaction" and effective["pool"]["size"] == 7
+    assert effective["listen_addr"] == "127.0.0.1:6499"
+    both = ["check-config", "-c", str(write(tmp_path, SEED_YAML)), "--pgbouncer-config", str(ini)]
+    result = CliRunner().invoke(app, both)
+    assert result.exit_code == 1 and "use either --config or --pgbouncer-config" in result.stderr
+
+
 def test_check_config_bad_key(tmp_path: Path) -> None:
     path = write(tmp_path, SEED_YAML + "pool_size: 3\n")
     result = CliRunner().invoke(app, ["check-config", "-c", str(path)])
