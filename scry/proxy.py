@@ -94,6 +94,9 @@ class Proxy:
         # logins read them here; peer_id can change on reload).
         self.cancel_pid_base = cancel_pid_base(self.peering.peer_id, self.worker_id)
         self._wait_for_clients = False
+        # PAUSE: the databases paused (None: all), so that a pool made
+        # after the PAUSE (a database's first login) is held too.
+        self._paused_databases: set[str | None] = set()
         self._stats_log = StatsLog(time.monotonic())  # log.stats_period's lines
 
     # --- lifecycle ------------------------------------------------------------------
@@ -474,6 +477,7 @@ class Proxy:
     async def pause(self, database: str | None = None, timeout: float | None = None) -> bool:
         """PgBouncer's PAUSE: hold new transactions, let running ones finish,
         then close the servers. Returns False if ``timeout`` passed first."""
+        self._paused_databases.add(database)
         pools = [p for p in self.pools.values() if database in (None, p.target.name)]
         for pool in pools:
             pool.pause()
@@ -491,6 +495,10 @@ class Proxy:
 
     def resume(self, database: str | None = None) -> None:
         """PgBouncer's RESUME: hand servers to the queued clients again."""
+        if database is None:
+            self._paused_databases.clear()
+        else:
+            self._paused_databases.discard(database)
         for pool in self.pools.values():
             if database in (None, pool.target.name):
                 pool.resume()
@@ -552,6 +560,10 @@ class Proxy:
         if pool is None or pool.stale:
             pool = Pool(self, target, user, password)
             self.pools[key] = pool
+            if self._paused_databases and (
+                None in self._paused_databases or target.name in self._paused_databases
+            ):
+                pool.pause()  # (PAUSE came before this database's first login)
         return pool
 
     def pool_after_reload(self, stale: Pool, client_user: str) -> Pool | None:

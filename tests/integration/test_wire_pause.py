@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -177,3 +178,36 @@ def test_pause_in_session_mode_waits_for_the_session(scry_proxy, pg) -> None:
     assert not held.done
     admin_post(proxy, "resume")
     assert held.result(5) == ("new session",)
+
+
+def admin_get(proxy, path: str) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{proxy.admin_port}/api/v1/{path}",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def test_pause_holds_a_database_whose_first_login_comes_after_it(scry_proxy, pg) -> None:
+    """PAUSE holds new transactions of every database, also of one that had
+    no pool yet when PAUSE came (its first login makes the pool afterwards)."""
+    proxy = make_proxy(scry_proxy, "transaction")
+    proxy.update_config({"databases": {"later": {"database_url": pg.url()}}})
+    proxy.send_signal(signal.SIGHUP)
+    wait_for(lambda: "config reloaded" in proxy.log_text(), 5, "config reloaded")
+    assert admin_post(proxy, "pause", wait=5)["complete"] is True
+    later = psycopg.connect(**{**proxy.conninfo(), "dbname": "later"}, autocommit=True)
+    try:
+        held = Background(lambda: later.execute("select 'after resume'").fetchone())
+
+        def waiting() -> bool:
+            pools = admin_get(proxy, "pools")["pools"]
+            return any(p["database"] == "later" and p["waiting"] == 1 for p in pools)
+
+        wait_for(waiting, 5, "the query to wait in the new pool")
+        assert not held.done
+        assert admin_post(proxy, "resume")["paused"] is False
+        assert held.result(5) == ("after resume",)
+    finally:
+        later.close()
