@@ -645,9 +645,19 @@ async def serve(
     """Run a proxy until it is stopped by a signal."""
     proxy = Proxy(config, config_path, identity)
     loop = asyncio.get_running_loop()
-    # Before the listener opens: a SIGHUP sent as soon as the port answers must
-    # reload, not kill the process (SIGHUP's default action).
+    pausing: set[asyncio.Task[bool]] = set()
+
+    def pause() -> None:  # PgBouncer's SIGUSR1 (SIGUSR2 resumes)
+        event("signal received: pausing", signal="SIGUSR1")
+        task = loop.create_task(proxy.pause())
+        pausing.add(task)
+        task.add_done_callback(pausing.discard)
+
+    # Before the listener opens: a SIGHUP (or SIGUSR1/2) sent as soon as the
+    # port answers must be handled, not kill the process (the default action).
     loop.add_signal_handler(signal.SIGHUP, systemd.reload, proxy.reload)
+    loop.add_signal_handler(signal.SIGUSR1, pause)
+    loop.add_signal_handler(signal.SIGUSR2, proxy.resume)
     try:
         await proxy.start()
     except OSError as exc:

@@ -262,6 +262,8 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):  # pause, resume
+            loop.add_signal_handler(sig, self._forward, sig)
         if systemd.manager_present():
             self.notifications = systemd.WorkerNotifications(
                 lambda: {proc.pid for proc in self._live()},

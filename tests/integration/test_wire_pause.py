@@ -211,3 +211,21 @@ def test_pause_holds_a_database_whose_first_login_comes_after_it(scry_proxy, pg)
         assert held.result(5) == ("after resume",)
     finally:
         later.close()
+
+
+def test_sigusr1_pauses_and_sigusr2_resumes(scry_proxy) -> None:
+    """PgBouncer's signals, on scry serve too."""
+    proxy = make_proxy(scry_proxy, "transaction")
+    with connect(proxy) as conn:
+        conn.execute("select 1")
+        proxy.send_signal(signal.SIGUSR1)
+        wait_for(lambda: admin_get(proxy, "status")["paused"], 5, "SIGUSR1 to pause")
+        held = Background(lambda: conn.execute("select 'after resume'").fetchone())
+
+        def waiting() -> bool:
+            return any(p["waiting"] == 1 for p in admin_get(proxy, "pools")["pools"])
+
+        wait_for(waiting, 5, "the query to wait")
+        proxy.send_signal(signal.SIGUSR2)
+        assert held.result(5) == ("after resume",)
+        assert admin_get(proxy, "status")["paused"] is False
