@@ -99,10 +99,8 @@ class _SyslogHandler(logging.handlers.SysLogHandler):
     """Drops a line syslog does not take (its daemon restarting, say), as
     C's syslog() does, instead of printing a traceback to stderr."""
 
-    dropped = 0
-
     def handleError(self, record: logging.LogRecord) -> None:
-        self.dropped += 1
+        pass
 
 
 def _add_syslog(syslog: Syslog) -> None:

@@ -186,7 +186,7 @@ def _setup_logging(  # type: ignore[no-untyped-def]
         handler.setFormatter(logger.handlers[0].formatter)
         logger.addHandler(handler)
     elif quiet and not logfile:
-        logger.handlers[:] = [logging.NullHandler()]
+        logger.handlers[0] = logging.NullHandler()  # (stderr; a syslog handler stays)
     if made and logfile:
         hand_over(logfile, owner)
 
