@@ -14,6 +14,14 @@ from the proxy:
   window, compares it with a baseline (an EWMA of past windows with
   ``baseline_half_life_seconds``) and raises :class:`Signal` objects.
 
+With several workers (``shared=True``) each monitor also hands out what it
+observed, second by second (:meth:`HealthMonitor.take_unshared`, sent by
+scry.peering), and adds in what the other workers observed
+(:meth:`HealthMonitor.merge`): every worker judges the instance's traffic,
+so a database that is sick only in aggregate is noticed. (The workers of an
+instance share the host's monotonic clock, so their seconds line up.) Pool
+gauges and waits stay each worker's own: pools are per worker.
+
 Rules (thresholds under ``health:`` in the config; reasoning in docs/breaker.md):
 
 ``latency_spike``
@@ -156,6 +164,7 @@ class HealthMonitor:
         *,
         name: str = "",
         now: Callable[[], float] = time.monotonic,
+        shared: bool = False,
     ) -> None:
         cfg = config if config is not None else HealthConfig()
         self.config = cfg
@@ -174,6 +183,9 @@ class HealthMonitor:
         self._zeros = [0] * N_BUCKETS
         self._sec = int(now())
         self._slot = self._sec % w
+        # shared: second -> [queries, errors, {bucket: count}] observed here
+        # and not yet handed to the other workers.
+        self._unshared: dict[int, list[Any]] | None = {} if shared else None
 
         # Pool gauges, as last reported.
         self.saturation = 0.0
@@ -213,8 +225,13 @@ class HealthMonitor:
         self._count[slot] += 1
         if is_error:
             self._errors[slot] += 1
+            if self._unshared is not None:
+                self._note_unshared(sec, 1, 1, {})
             return
-        self._hist[slot * N_BUCKETS + latency_bucket(latency_s)] += 1
+        bucket = latency_bucket(latency_s)
+        self._hist[slot * N_BUCKETS + bucket] += 1
+        if self._unshared is not None:
+            self._note_unshared(sec, 1, 0, {bucket: 1})
 
     def observe_latencies(
         self, latencies_ns: Sequence[int], errors: int = 0, now: float | None = None
@@ -229,13 +246,14 @@ class HealthMonitor:
         slot = self._slot
         self._count[slot] += len(latencies_ns) + errors
         self._errors[slot] += errors
-        if not latencies_ns:
-            return
         buckets: dict[int, int] = {}
-        add_ns(buckets, latencies_ns, _BUCKETS)  # in any order: nothing is sorted
-        hist, base = self._hist, slot * N_BUCKETS
-        for bucket, count in buckets.items():
-            hist[base + bucket] += count
+        if latencies_ns:
+            add_ns(buckets, latencies_ns, _BUCKETS)  # in any order: nothing is sorted
+            hist, base = self._hist, slot * N_BUCKETS
+            for bucket, count in buckets.items():
+                hist[base + bucket] += count
+        if self._unshared is not None:
+            self._note_unshared(sec, len(latencies_ns) + errors, errors, buckets)
 
     def observe_pool(
         self, wait_s: float, saturation: float, waiting: int, now: float | None = None
@@ -257,6 +275,47 @@ class HealthMonitor:
         self.saturation = saturation
         self.waiting = waiting
         self.oldest_wait = oldest_wait_s
+
+    # ------------------------------------------------------------------ #
+    # Workers: sharing the query windows
+    # ------------------------------------------------------------------ #
+
+    def _note_unshared(self, sec: int, count: int, errors: int, buckets: dict[int, int]) -> None:
+        assert self._unshared is not None
+        entry = self._unshared.get(sec)
+        if entry is None:
+            entry = self._unshared[sec] = [0, 0, {}]
+        entry[0] += count
+        entry[1] += errors
+        seen = entry[2]
+        for bucket, n in buckets.items():
+            seen[bucket] = seen.get(bucket, 0) + n
+
+    def take_unshared(self, before: int) -> list[list[Any]]:
+        """What this worker observed in the whole seconds before ``before``
+        and has not handed out yet: ``[second, queries, errors, {bucket:
+        count}]`` each (for scry.peering to send to the other workers)."""
+        if not self._unshared:
+            return []
+        done = [sec for sec in self._unshared if sec < before]
+        return [[sec, *self._unshared.pop(sec)] for sec in sorted(done)]
+
+    def merge(self, sec: int, count: int, errors: int, buckets: dict[int, int]) -> None:
+        """Another worker's observations of second ``sec``: counted as if made here.
+        A second older than the window, or not come yet here, is ignored."""
+        if sec > self._sec:
+            if sec > self._now():
+                return
+            self._roll(sec)
+        if self._sec - sec > self._window:
+            return
+        slot = sec % self._slots
+        self._count[slot] += count
+        self._errors[slot] += errors
+        base = slot * N_BUCKETS
+        for bucket, n in buckets.items():
+            if 0 <= bucket < N_BUCKETS:
+                self._hist[base + bucket] += n
 
     def _roll(self, sec: int) -> None:
         gap = sec - self._sec

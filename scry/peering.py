@@ -40,6 +40,9 @@ byte says what it is::
                                         {"op": "tail", "filter": {...}} worker 0's live
                                         tail: NDJSON events until either side closes
                                         (scry.adminapi.tail)
+                                        {"op": "health", "databases": {...}} what a
+                                        worker's health monitors saw, second by second
+                                        (scry.health: HealthMonitor.merge)
 
 Breaker sharing: when a worker's breaker opens or closes, it tells the other
 workers of its instance, which trip (``hold`` as the origin's) or reset theirs;
@@ -382,6 +385,28 @@ class Peering:
         finally:
             self._applying = False
 
+    # --- health sharing -----------------------------------------------------------------
+
+    def share_health(self, seen: dict[str, list[list[Any]]]) -> None:
+        """Tell the other workers what this one's health monitors observed
+        (``HealthMonitor.take_unshared`` per database)."""
+        if self.identity.workers == 1 or self.dir is None:
+            return
+        message = {"op": "health", "worker": self.worker_id, "databases": seen}
+        payload = b"J" + json.dumps(message).encode() + b"\n"
+        for path in self.dir.glob("w*.sock"):
+            if path != self.socket_path:
+                self._spawn(_send_unix(path, payload))
+
+    def _apply_health(self, message: dict[str, Any]) -> None:
+        for name, seconds in message["databases"].items():
+            monitor = self.proxy.health.get(name)
+            if monitor is None:
+                continue  # (a database this worker does not judge)
+            for sec, count, errors, buckets in seconds:
+                monitor.merge(int(sec), int(count), int(errors),
+                              {int(b): int(n) for b, n in buckets.items()})  # fmt: skip
+
     # --- the local socket ---------------------------------------------------------------
 
     async def _on_connection(
@@ -402,6 +427,8 @@ class Peering:
                 op = message.get("op")
                 if op == "breaker":
                     self._apply_breaker(message)
+                elif op == "health":
+                    self._apply_health(message)
                 elif op == "takeover":
                     await self._hand_over(writer)
                 elif op == "admin":

@@ -353,7 +353,8 @@ class Proxy:
     def health_for(self, database: str) -> HealthMonitor:
         monitor = self.health.get(database)
         if monitor is None:
-            monitor = HealthMonitor(self.config.health, name=database)
+            shared = self.identity.workers > 1  # (see _share_health)
+            monitor = HealthMonitor(self.config.health, name=database, shared=shared)
             self.health[database] = monitor
         return monitor
 
@@ -509,6 +510,8 @@ class Proxy:
         return any(pool.paused for pool in self.pools.values())
 
     def _check_health(self) -> None:
+        if self.identity.workers > 1:
+            self._share_health()
         for pool in self.pools.values():
             waiting = len(pool.waiters)
             saturation = pool.active_count / pool.size
@@ -529,6 +532,18 @@ class Proxy:
                 self._report_anomalies(name, before, signals)
             if breaker.state is CLOSED and (reason := monitor.should_open()):
                 breaker.trip(reason, hold=False)
+
+    def _share_health(self) -> None:
+        """Hand the other workers what this one's monitors saw in the seconds
+        just completed: each then judges the instance's traffic."""
+        before = int(self.clock)
+        seen = {
+            name: seconds
+            for name, monitor in self.health.items()
+            if (seconds := monitor.take_unshared(before))
+        }
+        if seen:
+            self.peering.share_health(seen)
 
     def _probe_login(self, database: str, now: float) -> None:
         """A breaker opened because PostgreSQL was gone: try a login now and then

@@ -360,11 +360,34 @@ def test_a_stopped_or_dead_worker_does_not_hang_the_api(scry_proxy, wait_until) 
 SICK = "do $$ begin raise exception 'sick' using errcode = 'XX000'; end $$"
 
 
+def app_breaker(admin: Admin) -> dict[str, Any]:
+    """The fleet breaker view of database app."""
+    (entry,) = [d for d in admin.get("/breaker")["databases"] if d["database"] == "app"]
+    return entry
+
+
+def wait_all_open_predictively(admin: Admin, wait_until) -> dict[str, Any]:
+    """Every worker's breaker of app open, each by a health prediction (its
+    own, or one another worker told it); the fleet view of app."""
+
+    def everyone_open() -> dict[str, Any] | None:
+        entry = app_breaker(admin)
+        states = [w["breaker"]["state"] for w in entry["workers"]]
+        return entry if states == ["open"] * len(states) else None
+
+    entry = wait_until(everyone_open, 5, interval=0.1, what="every worker's breaker open")
+    reasons = [w["breaker"]["open_reason"] for w in entry["workers"]]
+    assert all(re.match(r"(worker \d: )?predictive: ", reason) for reason in reasons), reasons
+    assert any(reason.startswith("predictive: ") for reason in reasons), reasons
+    return entry
+
+
 def test_health_driven_opening_on_one_worker_protects_all(scry_proxy, wait_until) -> None:
-    """Healthy traffic, then server-sickness errors on one worker's connection: its
-    health monitor opens its breaker (predictive), every worker's breaker opens,
-    the fleet breaker view shows the anomaly with its worker, and new clients on
-    any worker fail fast."""
+    """Healthy traffic, then server-sickness errors on one worker's connection:
+    the workers share their health windows, so a monitor sees the errors and
+    opens its breaker (predictive), every worker's breaker opens (by its own
+    judgement or told by another), the fleet breaker view shows the anomaly,
+    and new clients on any worker fail fast."""
     proxy, admin = start_fleet(
         scry_proxy,
         3,
@@ -380,8 +403,7 @@ def test_health_driven_opening_on_one_worker_protects_all(scry_proxy, wait_until
         sick_worker = me["worker"]
 
         def app_entry() -> dict[str, Any]:
-            (entry,) = [d for d in admin.get("/breaker")["databases"] if d["database"] == "app"]
-            return entry
+            return app_breaker(admin)
 
         def healthy_baseline() -> bool:
             for _ in range(50):  # normal traffic first: the monitor learns "no errors"
@@ -399,20 +421,10 @@ def test_health_driven_opening_on_one_worker_protects_all(scry_proxy, wait_until
                 with pytest.raises(psycopg.Error):
                     conn.execute(SICK)
 
-        def everyone_open() -> dict[str, Any] | None:
-            entry = app_entry()
-            states = [w["breaker"]["state"] for w in entry["workers"]]
-            return entry if states == ["open"] * 3 else None
-
-        entry = wait_until(everyone_open, 5, interval=0.1, what="every worker's breaker open")
-        by_worker = {w["worker"]: w for w in entry["workers"]}
-        assert by_worker[sick_worker]["breaker"]["open_reason"].startswith("predictive: ")
-        for worker, own in by_worker.items():
-            if worker != sick_worker:
-                assert own["breaker"]["open_reason"].startswith(f"worker {sick_worker}: predictive")
+        entry = wait_all_open_predictively(admin, wait_until)
         assert entry["breaker"]["state"] == "open"
         signals = entry["health"]["signals"]
-        assert any(s["name"] == "error_rate" and s["worker"] == sick_worker for s in signals)
+        assert any(s["name"] == "error_rate" for s in signals), signals
         transitions = entry["breaker"]["transitions"]
         assert {t["worker"] for t in transitions if t["to"] == "open"} == {0, 1, 2}
 
@@ -427,6 +439,64 @@ def test_health_driven_opening_on_one_worker_protects_all(scry_proxy, wait_until
         5,
         what="every worker closed again",
     )
+
+
+def test_a_database_sick_only_in_aggregate_opens_every_breaker(scry_proxy, wait_until) -> None:
+    """Each of 3 workers sees at most ~30 queries a window, below min_samples
+    (40); together they see ~90. Sharing their windows, the monitors learn a
+    baseline and then open the breakers on the errors (without sharing, no
+    monitor would ever judge)."""
+    proxy, admin = start_fleet(
+        scry_proxy,
+        3,
+        wait_until,
+        health={"predictive": True, "window_seconds": 2, "sustain_seconds": 1, "min_samples": 40},
+        circuit_breaker={"failure_threshold": 1_000_000, "timeout_seconds": 120},
+    )
+    by_worker: dict[int, psycopg.Connection[Any]] = {}
+    extra: list[psycopg.Connection[Any]] = []
+    try:
+        for i in range(60):  # until the kernel has put one on each worker
+            conn = psycopg.connect(**proxy.conninfo(), autocommit=True, application_name=f"w-{i}")
+            (me,) = [
+                c for c in admin.get("/clients")["clients"] if c["application_name"] == f"w-{i}"
+            ]
+            if me["worker"] in by_worker:
+                extra.append(conn)
+            else:
+                by_worker[me["worker"]] = conn
+            if len(by_worker) == 3:
+                break
+        assert len(by_worker) == 3
+        conns = list(by_worker.values())
+
+        def paced(sql: str) -> None:  # ~15 a second per worker
+            for conn in conns:
+                try:
+                    conn.execute(sql)
+                except psycopg.Error:
+                    pass
+            time.sleep(0.06)
+
+        def app_entry() -> dict[str, Any]:
+            return app_breaker(admin)
+
+        deadline = time.monotonic() + 20
+        while not all(w["health"]["baseline"]["ready"] for w in app_entry()["workers"]):
+            assert time.monotonic() < deadline, f"no baseline: {app_entry()['workers']}"
+            for _ in range(5):
+                paced("select 1")
+        windows = [w["health"]["window"]["queries"] for w in app_entry()["workers"]]
+        assert all(n >= 40 for n in windows), windows  # each judges the instance's traffic
+        while app_entry()["breaker"]["state"] == "closed":
+            assert time.monotonic() < deadline + 20, f"never opened: {app_entry()}"
+            for _ in range(5):
+                paced(SICK)
+
+        wait_all_open_predictively(admin, wait_until)
+    finally:
+        for conn in [*by_worker.values(), *extra]:
+            conn.close()
 
 
 # --- one worker ----------------------------------------------------------------------------

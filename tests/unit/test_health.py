@@ -336,3 +336,68 @@ def test_observe_latencies_counts_like_observe_query() -> None:
     many.observe_latencies([], 0)
     assert many._count == one._count and many._errors == one._errors
     assert many._hist == one._hist
+
+
+# --------------------------------------------------------------------------- #
+# workers: sharing windows
+# --------------------------------------------------------------------------- #
+
+
+def test_workers_that_share_their_seconds_judge_the_instance_s_traffic() -> None:
+    """Three workers each see a third of a sick database's traffic, below
+    min_samples alone: sharing their seconds, each sees all of it and fires."""
+    clock = Clock()
+    cfg = {"min_samples": 100, "window_seconds": 5}
+    workers = [HealthMonitor(HealthConfig(**cfg), name="app", now=clock, shared=True)
+               for _ in range(3)]  # fmt: skip
+    alone = HealthMonitor(HealthConfig(**cfg), name="app", now=clock)
+
+    def second(errors: int) -> list[list[Signal]]:
+        for monitor in (*workers, alone):
+            for i in range(15):  # 15 a second each: 75 a window alone, 225 shared
+                monitor.observe_query(0.002, is_error=i < errors)
+        clock.t += 1
+        taken = [monitor.take_unshared(int(clock.t)) for monitor in workers]
+        for i, monitor in enumerate(workers):
+            for j, seconds in enumerate(taken):
+                if i != j:
+                    for sec, count, errs, buckets in seconds:
+                        monitor.merge(sec, count, errs, buckets)
+        return [monitor.evaluate() for monitor in workers]
+
+    for _ in range(8):  # a healthy baseline
+        second(errors=0)
+    assert workers[0].window_stats["queries"] == 3 * 15 * 5
+    for _ in range(4):
+        judged = second(errors=15)
+    assert all(ERROR_RATE in names(signals) for signals in judged)
+    assert ERROR_RATE not in names(alone.evaluate())  # (75 a window: below min_samples)
+    assert all(not monitor.take_unshared(int(clock.t) + 1) for monitor in workers)
+
+
+def test_merge_ignores_seconds_outside_the_window() -> None:
+    clock = Clock()
+    monitor = make(clock, window_seconds=5)
+    now = int(clock.t)
+    monitor.merge(now - 10, 50, 0, {3: 50})  # older than the window
+    monitor.merge(now + 5, 50, 0, {3: 50})  # not come yet here
+    clock.t += 1
+    monitor.evaluate()
+    assert monitor.window_stats["queries"] == 0
+    monitor.merge(now, 50, 5, {3: 45})
+    monitor.evaluate()
+    assert (monitor.window_stats["queries"], monitor.window_stats["errors"]) == (50, 5)
+
+
+def test_take_unshared_hands_out_whole_seconds_once() -> None:
+    clock = Clock()
+    monitor = HealthMonitor(HealthConfig(), name="app", now=clock, shared=True)
+    monitor.observe_query(0.001)
+    monitor.observe_latencies([2_000_000, 3_000_000], errors=1)
+    assert monitor.take_unshared(int(clock.t)) == []  # (the current second is not done)
+    clock.t += 1
+    monitor.observe_query(0.001)
+    ((sec, count, errors, buckets),) = monitor.take_unshared(int(clock.t))
+    assert (sec, count, errors) == (int(clock.t) - 1, 4, 1) and sum(buckets.values()) == 3
+    assert monitor.take_unshared(int(clock.t)) == []
+    assert HealthMonitor(HealthConfig(), now=clock).take_unshared(int(clock.t) + 5) == []
