@@ -486,8 +486,6 @@ def test_a_database_sick_only_in_aggregate_opens_every_breaker(scry_proxy, wait_
             assert time.monotonic() < deadline, f"no baseline: {app_entry()['workers']}"
             for _ in range(5):
                 paced("select 1")
-        windows = [w["health"]["window"]["queries"] for w in app_entry()["workers"]]
-        assert all(n >= 40 for n in windows), windows  # each judges the instance's traffic
         while app_entry()["breaker"]["state"] == "closed":
             assert time.monotonic() < deadline + 20, f"never opened: {app_entry()}"
             for _ in range(5):
