@@ -57,7 +57,7 @@ class Pool(PoolCore):
         "_next_probe_at", "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen",
         "_welcome_future", "exiting", "health", "last_error", "limit_blocked", "limit_claim",
         "max_message_size", "max_wait_started", "name", "parsed_statements", "server_password",
-        "server_user", "servers_closed", "servers_opened", "setting_spellings", "settings_user",
+        "server_user", "servers_closed", "servers_opened", "setting_spellings",
         "startup_params", "stats", "target", "unused_since", "__weakref__"
     )  # fmt: skip
 
@@ -70,10 +70,8 @@ class Pool(PoolCore):
     ) -> None:
         self.proxy = proxy
         self.target = target
-        self.settings: PoolConfig = target.pool
-        # Whose [users] line the settings include (None: the database's alone),
-        # so that a reload can apply that line's new version.
-        self.settings_user: str | None = None
+        # The database's, with its user's [users] line over them (PgBouncer mode).
+        self.settings: PoolConfig = proxy.config.pool_settings(target, server_user)
         self.unused_since: float | None = None  # (pool_idle_timeout: no client, no server)
         self.server_user = server_user
         self.server_password = server_password
@@ -547,10 +545,9 @@ class Pool(PoolCore):
                 self._last_wait_noticed = since
                 waiter.wait_noticed((now - since) / 1e9)
 
-    def use_settings(self, settings: PoolConfig, user: str | None) -> None:
-        """Settings that ``user``'s ``[users]`` line (None: no line) went into."""
+    def use_settings(self, settings: PoolConfig) -> None:
+        """New settings (a reload): ``Config.pool_settings`` of this pool."""
         self.settings = settings
-        self.settings_user = user
         self.round_robin = settings.server_round_robin
 
     @property

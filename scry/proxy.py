@@ -280,7 +280,7 @@ class Proxy:
                     pool.close_sessions_fast()
             else:
                 pool.target = target
-                pool.use_settings(new.pool_settings(target, pool.settings_user), pool.settings_user)
+                pool.use_settings(new.pool_settings(target, pool.server_user))
                 pool.check_delay = new.timeouts.server_check_delay
         event("config reloaded", path=self.config_path or "", databases=len(self.targets))
         return True
@@ -475,13 +475,20 @@ class Proxy:
 
     # --- PAUSE / RESUME -----------------------------------------------------------------
 
-    async def pause(self, database: str | None = None, timeout: float | None = None) -> bool:
-        """PgBouncer's PAUSE: hold new transactions, let running ones finish,
-        then close the servers. Returns False if ``timeout`` passed first."""
+    def hold(self, database: str | None = None) -> list[Pool]:
+        """PAUSE's first step (and KILL's): no server for new transactions of
+        ``database`` (None: every one), in its pools made later too; returns
+        the pools held now."""
         self._paused_databases.add(database)
         pools = [p for p in self.pools.values() if database in (None, p.target.name)]
         for pool in pools:
             pool.pause()
+        return pools
+
+    async def pause(self, database: str | None = None, timeout: float | None = None) -> bool:
+        """PgBouncer's PAUSE: hold new transactions, let running ones finish,
+        then close the servers. Returns False if ``timeout`` passed first."""
+        pools = self.hold(database)
         event("paused: waiting for servers to finish", database=database or "*")
         started = time.monotonic()
         while any(pool.busy for pool in pools):

@@ -237,8 +237,7 @@ def cmd_kill(console: AdminConsole, arg: str, sql: str) -> bytes:
     for client in list(console.proxy.clients):
         if database in (None, client.database):
             client.fatal("08P01", "database removed")
-    for pool in _pools_of(console, database):
-        pool.pause()
+    for pool in console.proxy.hold(database):
         pool.close_all("KILL")
     event("KILL command issued", database=arg or "*")
     return ok("KILL")

@@ -55,8 +55,7 @@ def route_login(
     this login. Returns True when it took the connection (the console, a
     refusal, or a login held by SUSPEND); False to go on as usual.
 
-    Also applies PgBouncer's per-database flags (DISABLE, PAUSE/KILL), the
-    ``*`` fallback database and the ``[users]`` pool overrides.
+    Also applies DISABLE and makes databases from the ``*`` fallback entry.
     """
     proxy = client.proxy
     compat = proxy.config.pgbouncer
@@ -80,24 +79,10 @@ def route_login(
         client.transport.pause_reading()
         state.held_logins.append(lambda: _release_held_login(client, packet, params, method))
         return True
-    target = proxy.targets.get(database)
-    if target is None and compat.autodb is not None:
-        target = autodb_target(proxy, database)
-    if target is None:
-        return False
-    # A [users] line is the pool's user's, as in PgBouncer: for a database
-    # with a forced user, that user's, whoever the client is.
-    user, password = proxy.auth.server_credentials(target, packet.user)
-    override = compat.users.get(user)
-    paused = state.paused_all or database in state.paused
-    if override is not None or paused:
-        # Create the pool now (the normal path then finds it) to apply
-        # [users] overrides and a PAUSE that came before the pool existed.
-        pool = proxy.pool_for(target, user, password)
-        if override is not None:
-            pool.use_settings(proxy.config.pool_settings(target, user), user)
-        if paused and not pool.paused:
-            pool.pause()
+    if database not in proxy.targets and compat.autodb is not None:
+        autodb_target(proxy, database)  # (registered in proxy.targets)
+    # (A [users] line is applied by Pool, from Config.pool_settings; a PAUSE
+    # or KILL that came before the pool existed, by Proxy.pool_for.)
     return False
 
 
