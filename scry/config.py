@@ -319,6 +319,10 @@ class TimeoutsConfig(_Model):
     server_lifetime: Seconds = 3600
     server_idle_timeout: Seconds = 600
     server_connect_timeout: Seconds = 15
+    #: The longest a CancelRequest may take to reach PostgreSQL (or the peer
+    #: that owns it) and be acted on; the backend stays out of the pool until
+    #: then. PgBouncer's name and default.
+    cancel_wait_timeout: Seconds = 10
     #: PgBouncer's: a pool (database and user) with no client and no server
     #: connection for this long is freed, its statistics with it; 0 keeps them.
     pool_idle_timeout: Seconds = 0

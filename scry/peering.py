@@ -330,7 +330,8 @@ class Peering:
             from scry.server import send_cancel_request
 
             address = split_host_port(addr)
-            self._spawn(send_cancel_request(address, pid | VIA_PEER, secret, to="peer"))
+            timeout = self.proxy.config.timeouts.cancel_wait_timeout
+            self._spawn(send_cancel_request(address, pid | VIA_PEER, secret, timeout, to="peer"))
             return
         if pid & VIA_LOCAL or self.dir is None:
             self.dropped += 1

@@ -878,7 +878,12 @@ class ServerConnection(ServerCore, asyncio.Protocol):
 
     async def _cancel(self) -> None:
         try:
-            await send_cancel_request(self.address, self.backend_pid, self.backend_secret)
+            await send_cancel_request(
+                self.address,
+                self.backend_pid,
+                self.backend_secret,
+                self.pool.proxy.config.timeouts.cancel_wait_timeout,
+            )
         finally:
             self.cancels_pending -= 1
             if not self.cancels_pending and self.release_after_cancel:
@@ -903,24 +908,30 @@ def settings_sql(applied: dict[str, str], wanted: dict[str, str]) -> str:
 
 
 async def send_cancel_request(
-    address: tuple[str, int], pid: int, secret: int, to: str = "the server"
+    address: tuple[str, int], pid: int, secret: int, timeout: float, to: str = "the server"
 ) -> None:
     """Open a fresh connection to ``address`` (a backend's server, the host its
     connection went to; or a peer scry) and send a CancelRequest. A host that
-    is a directory means the Unix socket in it, as in libpq."""
+    is a directory means the Unix socket in it, as in libpq. ``timeout``
+    (cancel_wait_timeout; 0 = none) bounds the whole exchange."""
     host, port = address
     try:
-        if host.startswith("/"):
-            connecting = asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
-        else:
-            connecting = asyncio.open_connection(host, port)
-        reader, writer = await asyncio.wait_for(connecting, 5)
-        writer.write(cancel_request(pid, secret))
-        await writer.drain()
-        # PostgreSQL (and a peer) closes the connection once it has acted on it.
-        await asyncio.wait_for(reader.read(), 5)
-        writer.close()
-    except (TimeoutError, OSError) as exc:
+        async with asyncio.timeout(timeout or None):
+            if host.startswith("/"):
+                reader, writer = await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
+            else:
+                reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(cancel_request(pid, secret))
+                await writer.drain()
+                # PostgreSQL (and a peer) closes the connection once it has acted on it.
+                await reader.read()
+            finally:
+                writer.close()
+    except TimeoutError:
+        event(f"cancel request to {to} timed out", logging.WARNING,
+              addr=f"{host}:{port}", cancel_wait_timeout=timeout)  # fmt: skip
+    except OSError as exc:
         event(f"cancel request could not reach {to}", logging.WARNING,
               addr=f"{host}:{port}", error=str(exc))  # fmt: skip
 

@@ -480,7 +480,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     # --- dangerous timeouts
     "query_timeout": Key("0", handler=_seconds("timeouts.query_timeout")),
     "query_wait_timeout": Key("120", handler=_seconds("timeouts.query_wait_timeout")),
-    "cancel_wait_timeout": Key("10", why="cancel requests are forwarded at once, never queued"),
+    "cancel_wait_timeout": Key("10", handler=_seconds("timeouts.cancel_wait_timeout")),
     "client_idle_timeout": Key("0", handler=_seconds("timeouts.client_idle_timeout")),
     "idle_transaction_timeout": Key("0", handler=_seconds("timeouts.idle_transaction_timeout")),
     "transaction_timeout": Key("0", handler=_seconds("timeouts.transaction_timeout")),

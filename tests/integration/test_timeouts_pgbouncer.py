@@ -469,6 +469,97 @@ def test_server_connect_timeout(scry_proxy, pg, blackhole: int) -> None:
     assert time.monotonic() - started < 4
 
 
+class CancelHole:
+    """A TCP relay to PostgreSQL that holds every CancelRequest unanswered."""
+
+    CANCEL = struct.pack("!ii", 16, 80877102)
+
+    def __init__(self, pg_port: int) -> None:
+        self.pg_port = pg_port
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self.held = threading.Event()  # a cancel arrived
+        self.given_up = threading.Event()  # ... and scry closed it
+        self.held_for = 0.0
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client = self.srv.accept()[0]
+            except OSError:
+                return
+            self.socks.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        head = client.recv(8, socket.MSG_WAITALL)
+        if head == self.CANCEL:
+            self.held.set()
+            started = time.monotonic()
+            while client.recv(1024):  # never answered: wait for scry to give up
+                pass
+            self.held_for = time.monotonic() - started
+            self.given_up.set()
+            return
+        upstream = socket.create_connection(("127.0.0.1", self.pg_port))
+        self.socks.append(upstream)
+        upstream.sendall(head)
+        threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+        self._pump(client, upstream)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.srv.close()
+        for s in self.socks:
+            s.close()
+
+
+@pytest.fixture
+def cancel_hole(pg) -> Iterator[CancelHole]:
+    hole = CancelHole(pg.port)
+    yield hole
+    hole.close()
+
+
+def test_cancel_wait_timeout_bounds_a_cancel_nobody_answers(
+    scry_proxy, pg, cancel_hole: CancelHole, wait_until
+) -> None:
+    proxy = scry_proxy(
+        {
+            "database_url": pg.url(host="127.0.0.1", port=cancel_hole.port),
+            "pool": {"mode": "transaction", "size": 1},
+            "timeouts": {"cancel_wait_timeout": 0.5},
+        }
+    )
+    with connect(proxy) as conn, connect(proxy) as other:
+        outcome: list[object] = []
+        query = threading.Thread(
+            target=lambda: outcome.append(conn.execute("select pg_sleep(2.5), 'slept'").fetchone())
+        )
+        query.start()
+        wait_until(lambda: running(pg, "'slept'"), 5)
+        conn.cancel()  # through scry, which forwards it to the hole
+        assert cancel_hole.held.wait(5)
+        assert cancel_hole.given_up.wait(5), "scry never gave up on the cancel"
+        assert 0.4 < cancel_hole.held_for < 2.0, cancel_hole.held_for
+        query.join(10)
+        # The cancel never reached PostgreSQL: the query ran to its end, and
+        # its server went back to the pool for the next client.
+        assert outcome == [("", "slept")]
+        assert other.execute("select 'next'").fetchone() == ("next",)
+    assert "cancel request to the server timed out" in proxy.log_text()
+
+
 def test_server_check_query_after_delay(scry_proxy, pg) -> None:
     # The check query uses a sequence that exists in database app only: on
     # the "chk_fail" database (really postgres) the same check fails.

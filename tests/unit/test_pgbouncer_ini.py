@@ -44,6 +44,7 @@ max_client_conn = 2000
 server_check_delay = 0
 server_reset_query = DISCARD ALL
 query_wait_timeout = 30
+cancel_wait_timeout = 3
 pool_idle_timeout = 5min
 login_notify_message = connected through the pooler
 dns_max_ttl = 30
@@ -107,6 +108,7 @@ def test_effective_config(ini_path: Path) -> None:
         "/etc/pgbouncer/userlist.txt",
     )
     assert config.timeouts.query_wait_timeout == 30
+    assert config.timeouts.cancel_wait_timeout == 3
     assert config.timeouts.pool_idle_timeout == 300
     assert config.login_notify_message == "connected through the pooler"
     assert (config.dns_max_ttl, config.dns_nxdomain_ttl) == (30, 15)
