@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import stat
+import time
 from typing import TYPE_CHECKING
 
 from scry.log import event
@@ -77,6 +79,9 @@ def route_login(
         # scry reads their StartupMessage first, so the console stays reachable.
         client.state = AUTH  # (as while auth_query looks: what comes waits in _startup_buf)
         client.transport.pause_reading()
+        # PgBouncer accepts such a client only at RESUME, so client_login_timeout
+        # counts from then (the janitor's clock: connected_clock is only its).
+        client.connected_clock = math.inf
         state.held_logins.append(lambda: _release_held_login(client, packet, params, method))
         return True
     if database not in proxy.targets and compat.autodb is not None:
@@ -109,6 +114,7 @@ def _release_held_login(
     """RESUME: go on with a login that SUSPEND held (unless it left meanwhile)."""
     if client.state is not AUTH:
         return
+    client.connected_clock = time.monotonic()
     client.transport.resume_reading()
     if not route_login(client, packet, params, method):
         client.login_to_database(params, method)

@@ -12,6 +12,7 @@ import hashlib
 import signal
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 
@@ -213,6 +214,37 @@ def test_suspend_timeout_closes_a_client_that_does_not_read(pg: DevCluster, wait
         stuck.close()
         other.close()
         assert "suspend_timeout: closing a connection with unsent data" in b.output()
+
+
+def test_a_login_held_by_suspend_is_not_timed_out_meanwhile(pg: DevCluster) -> None:
+    """PgBouncer leaves a client that connects during SUSPEND in the listen
+    backlog, with no client_login_timeout running: scry holds its login
+    instead, and times it from RESUME."""
+    with bouncer_dir() as directory, running(
+        "scry", pg, directory, "client_login_timeout = 1\n"
+    ) as b:  # fmt: skip
+        with b.connect("admin", "admin_pass", "pgbouncer") as admin:
+            admin.prepare_threshold = None
+            assert admin.execute("SUSPEND", prepare=False).statusmessage == "SUSPEND"
+            answer: list[object] = []
+
+            def new_client() -> None:
+                try:
+                    with b.connect() as conn:
+                        answer.append(conn.execute("select 5").fetchone())
+                except psycopg.Error as exc:
+                    answer.append(exc)
+
+            thread = threading.Thread(target=new_client)
+            thread.start()
+            # Two janitor passes or more beyond the timeout (nothing to await:
+            # what must not happen is the close).
+            thread.join(3.0)
+            assert thread.is_alive() and not answer, answer
+            assert admin.execute("RESUME", prepare=False).statusmessage == "RESUME"
+            thread.join(10)
+        assert answer == [(5,)], answer
+        assert "client_login_timeout" not in b.output()
 
 
 def test_kill_database_then_resume(scry_bouncer: Bouncer) -> None:
