@@ -440,6 +440,13 @@ class Proxy:
                     client.login_timed_out()
                 continue
             server = client.server
+            if per_user and server is not None:
+                # As PgBouncer: what a server runs is timed by the [users]
+                # line of its pool's user (a database's forced user, if it
+                # has one); client_idle_timeout by the client's login user.
+                t_login, t = t, per_user.get(server.pool.server_user, timeouts)
+            else:
+                t_login = t
             if (
                 t.transaction_timeout
                 and server is not None
@@ -466,11 +473,12 @@ class Proxy:
                         "(timeouts.idle_transaction_timeout)",
                     )
                 continue
-            if t.client_idle_timeout and now - client.last_active >= t.client_idle_timeout:
+            idle_limit = t_login.client_idle_timeout
+            if idle_limit and now - client.last_active >= idle_limit:
                 client.fatal(
                     "57P05",
                     "client_idle_timeout",
-                    detail=f"no activity for over {t.client_idle_timeout:g} s",
+                    detail=f"no activity for over {idle_limit:g} s",
                 )
 
     # --- PAUSE / RESUME -----------------------------------------------------------------

@@ -374,6 +374,29 @@ def test_a_users_line_sets_query_wait_timeout_and_survives_a_reload(pg: DevClust
         holder.close()
 
 
+def _closed_by_idle_transaction_timeout(
+    bouncer: Bouncer, held: psycopg.Connection, wait_until
+) -> None:
+    wait_until(lambda: "idle transaction timeout" in bouncer.output(), 6, what="the timeout")
+    with pytest.raises(psycopg.Error) as caught:
+        held.execute("select 2")
+    assert caught.value.sqlstate == "25P03"
+
+
+def test_a_forced_users_line_times_what_its_servers_run(pg: DevCluster, wait_until) -> None:
+    """PgBouncer times a running transaction by its server's user: a client
+    of ``forced`` (server user app) that logged in as md5_user is held to
+    app's [users] line, not to md5_user's."""
+    with md5_user_bouncer(pg, "idle_transaction_timeout=30") as bouncer:
+        bouncer.ini.write_text(bouncer.ini.read_text() + "app = idle_transaction_timeout=1\n")
+        assert bouncer.admin("RELOAD")[2] == "RELOAD"
+        held = bouncer.connect("md5_user", "md5_pass", "forced")
+        held.autocommit = False
+        held.execute("select 1")  # (a transaction is open, and idle)
+        _closed_by_idle_transaction_timeout(bouncer, held, wait_until)
+        held.close()
+
+
 def test_a_users_line_sets_timeouts_for_that_users_clients(pg: DevCluster, wait_until) -> None:
     """[users] md5_user = idle_transaction_timeout=1 (PgBouncer's user-level
     timeouts): its clients are held to it, app's are not (no global one)."""
@@ -383,10 +406,7 @@ def test_a_users_line_sets_timeouts_for_that_users_clients(pg: DevCluster, wait_
         for conn in (held, free):
             conn.autocommit = False
             conn.execute("select 1")  # (a transaction is open, and idle)
-        wait_until(lambda: "idle transaction timeout" in bouncer.output(), 6, what="the timeout")
-        with pytest.raises(psycopg.Error) as caught:
-            held.execute("select 2")
-        assert caught.value.sqlstate == "25P03"
+        _closed_by_idle_transaction_timeout(bouncer, held, wait_until)
         assert free.execute("select 2").fetchone() == (2,)
         free.commit()
         line = next(x for x in bouncer.output().splitlines() if "idle transaction" in x)
