@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from scry.config import Config, ConfigError, DatabaseTarget
 from scry.hba import HbaError, HbaRules, load_hba
+from scry.ident import UserMaps, load_user_maps
 from scry.protocol.auth import SCRAM_MIN_ITERATIONS
 from scry.userlist import load_userlist
 
@@ -24,6 +25,7 @@ class AuthPolicy:
     method: str
     users: dict[str, str]  # user name -> stored secret (plain, md5 or SCRAM)
     hba: HbaRules | None = None  # method "hba": the rules that choose each login's method
+    user_maps: UserMaps | None = None  # the maps the rules' map= options name
     auth_user: str | None = None  # who runs auth_query for users with no secret here
     scram_iterations: int = SCRAM_MIN_ITERATIONS  # of SCRAM secrets made from plaintext ones
 
@@ -55,7 +57,18 @@ class AuthPolicy:
                 ) from exc
             except HbaError as exc:
                 raise ConfigError(f"auth.auth_hba_file: {exc}") from exc
-        return cls(auth.type, users, hba, auth.auth_user, auth.scram_iterations)
+        user_maps = _user_maps(auth.auth_ident_file, hba) if hba is not None else None
+        return cls(auth.type, users, hba, user_maps, auth.auth_user, auth.scram_iterations)
+
+    def proves(self, name: str | None, user: str, user_map: str | None) -> bool:
+        """Whether the name a connection proves (its OS user, its certificate's
+        CN) lets it log in as ``user``: the same name, or a line of the HBA
+        rule's user name map."""
+        if name is None:
+            return False
+        if user_map is None:
+            return name == user
+        return self.user_maps is not None and self.user_maps.allows(user_map, name, user)
 
     def secret_for(self, user: str) -> str | None:
         return self.users.get(user)
@@ -82,3 +95,24 @@ class AuthPolicy:
         if target.user:
             return target.user, target.password
         return client_user, self.users.get(client_user, looked_up)
+
+
+def _user_maps(path: str | None, hba: HbaRules) -> UserMaps | None:
+    """auth.auth_ident_file, read; every map= of the HBA rules must be in it
+    (PostgreSQL finds a missing map only at a login, and refuses it then)."""
+    maps = None
+    if path:
+        try:
+            maps = load_user_maps(path)
+        except OSError as exc:
+            raise ConfigError(f"auth.auth_ident_file: cannot read {path}: {exc.strerror}") from exc
+        except HbaError as exc:
+            raise ConfigError(f"auth.auth_ident_file: {exc}") from exc
+    for rule in hba.rules:
+        if rule.user_map is not None and (maps is None or rule.user_map not in maps.maps):
+            where = f"the user name maps of {path}" if path else "auth.auth_ident_file (not set)"
+            raise ConfigError(
+                f"auth.auth_hba_file: line {rule.line} names map={rule.user_map}, "
+                f"which is not in {where}"
+            )
+    return maps

@@ -261,13 +261,15 @@ class ClientLogin:
                        detail=f"tls.client_tls_sslmode is {proxy.client_tls.mode}")  # fmt: skip
             return
         method = proxy.auth.method
+        user_map = None
         if proxy.auth.hba is not None:
-            method = self._hba_method(packet.database)
-            if method is None:
+            chosen = self._hba_method(packet.database)
+            if chosen is None:
                 return
+            method, user_map = chosen
         if method == "cert" or proxy.client_tls.mode == "verify-full":
             common_name = peer_common_name(self.transport) if self.tls else None
-            if common_name != self.user:
+            if not proxy.auth.proves(common_name, self.user, user_map):
                 event("client login failed", logging.WARNING, client=self.id, addr=self.addr,
                       user=self.user, reason="certificate CN does not match")  # fmt: skip
                 self.fatal(
@@ -390,9 +392,9 @@ class ClientLogin:
                 return name
         return None
 
-    def _hba_method(self, database: str) -> str | None:
-        """auth.type hba: the method the first matching rule names, or None
-        (the client was refused, as PostgreSQL refuses it)."""
+    def _hba_method(self, database: str) -> tuple[str, str | None] | None:
+        """auth.type hba: the method the first matching rule names and its
+        user name map, or None (the client was refused, as PostgreSQL refuses it)."""
         hba = self.proxy.auth.hba
         assert hba is not None
         addr = self.addr
@@ -406,12 +408,15 @@ class ClientLogin:
 
             peer = peer_uid(self.transport)
             os_user = _os_user(peer[1]) if peer is not None else None
-            if os_user == self.user:
-                return "trust"
+            assert rule is not None  # (a rule chose peer)
+            if self.proxy.auth.proves(os_user, self.user, rule.user_map):
+                return "trust", None
             reason = f"peer: OS user {os_user or 'unknown'}"
+            if rule.user_map is not None:
+                reason += f", not in map {rule.user_map} as {self.user}"
             message = f'Peer authentication failed for user "{self.user}"'
         elif method != "reject":
-            return method
+            return method, rule.user_map if rule is not None else None
         else:
             reason = "no rule matches" if rule is None else f"line {rule.line} rejects"
             refusal = "no pg_hba.conf entry" if rule is None else "pg_hba.conf rejects connection"

@@ -284,6 +284,9 @@ class AuthConfig(_Model):
     auth_file: str | None = None
     #: type hba: the pg_hba.conf-format rules that choose the method (scry.hba).
     auth_hba_file: str | None = None
+    #: type hba: user name maps (pg_ident.conf's format, scry.ident) that the
+    #: HBA file's ``peer`` and ``cert`` rules name with ``map=``.
+    auth_ident_file: str | None = None
     #: A user with no secret in ``users``/``auth_file`` is looked up at login by
     #: running ``auth_query`` ($1 = the user name) as ``auth_user``, in the
     #: client's database or in ``auth_dbname`` (scry.auth_query).

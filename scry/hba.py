@@ -16,10 +16,11 @@ What a pooler can honour:
   IPv4-mapped IPv6 client matches IPv4 rules);
 * methods ``trust``, ``reject``, ``md5``, ``scram-sha-256``, ``password``
   (cleartext), ``cert`` (the TLS client certificate's CN is the user) and
-  ``peer`` (``local`` only: the connecting OS user is the user).
+  ``peer`` (``local`` only: the connecting OS user is the user); ``map=NAME``
+  after ``peer`` or ``cert`` names a user name map (scry.ident).
 
 Anything else (host names, ``samehost``, ``+group``, ``replication``,
-``ident``, ``ldap``, options after the method) is refused when the file is
+``ident``, ``ldap``, other options after the method) is refused when the file is
 read, with its line, so a rule never silently means less than it says.
 No I/O but reading the files; the proxy calls :meth:`HbaRules.method_for`.
 """
@@ -75,6 +76,7 @@ class HbaRule:
     all_users: bool
     network: IPNetwork | None  # None: local, or address "all"
     method: str  # a value of METHODS
+    user_map: str | None = None  # peer and cert: map=NAME of auth.auth_ident_file (scry.ident)
 
     def matches(
         self, local: bool, tls: bool, address: IPAddress | None, database: str, user: str
@@ -122,8 +124,8 @@ def load_hba(path: str) -> HbaRules:
 
 def parse_hba(text: str, path: str = "<hba>") -> list[HbaRule]:
     rules = []
-    for number, line in _logical_lines(text):
-        fields = _fields(line, path, number)
+    for number, line in logical_lines(text):
+        fields = split_fields(line, path, number)
         if fields:
             rules.append(_rule(fields, path, number))
     return rules
@@ -141,7 +143,7 @@ def _client_address(host: str | None) -> IPAddress | None:
     return address
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
+def logical_lines(text: str) -> list[tuple[int, str]]:
     """(first line number, text) per record, backslash continuations joined."""
     records: list[tuple[int, str]] = []
     pending: list[str] = []
@@ -161,7 +163,7 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
     return records
 
 
-def _fields(line: str, path: str, number: int) -> list[list[Token]]:
+def split_fields(line: str, path: str, number: int) -> list[list[Token]]:
     """Whitespace-separated fields, each a comma-separated list of tokens."""
     fields: list[list[Token]] = []
     current: list[Token] | None = None
@@ -230,12 +232,19 @@ def _rule(fields: list[list[Token]], path: str, number: int) -> HbaRule:
     method = METHODS.get(written)
     if method is None:
         raise HbaError(f"{where}: method {written!r} is not supported (use {', '.join(METHODS)})")
-    if len(rest) > 1:
-        raise HbaError(f"{where}: options after the method are not supported: {_show(rest[1])}")
+    user_map = None
+    for option in rest[1:]:
+        text = _show(option)
+        if len(option) != 1 or option[0].quoted or not text.startswith("map=") or text == "map=":
+            raise HbaError(f"{where}: options after the method are not supported "
+                           f"(but map=NAME for peer and cert): {text}")  # fmt: skip
+        if method not in ("peer", "cert"):
+            raise HbaError(f"{where}: map= is only for peer and cert, not {written}")
+        user_map = text[len("map=") :]
     if method == "peer" and not local:
         raise HbaError(f"{where}: peer is only for local (Unix socket) connections")
     return HbaRule(number, conn_type, databases, all_databases, sameuser, users, all_users,
-                   network, method)  # fmt: skip
+                   network, method, user_map)  # fmt: skip
 
 
 def _names(
@@ -271,8 +280,8 @@ def _names_file(name: str, path: str, where: str) -> list[str]:
     except OSError as exc:
         raise HbaError(f"{where}: cannot read {full}: {exc.strerror}") from None
     names = []
-    for number, line in _logical_lines(text):
-        for field in _fields(line, full, number):
+    for number, line in logical_lines(text):
+        for field in split_fields(line, full, number):
             names.extend(token.text for token in field)
     return names
 

@@ -422,7 +422,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     # --- authentication
     "auth_type": Key("md5", handler=_auth_type),
     "auth_hba_file": Key("", handler=_auth_hba),
-    "auth_ident_file": Key("", why="no ident maps"),
+    "auth_ident_file": Key("", handler=_str_or_skip("auth.auth_ident_file")),
     "auth_file": Key(None, handler=_str_or_skip("auth.auth_file")),
     "auth_user": Key(None, handler=_str_or_skip("auth.auth_user")),
     "auth_query": Key(DEFAULT_AUTH_QUERY, handler=_str_or_skip("auth.auth_query")),

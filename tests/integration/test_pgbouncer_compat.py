@@ -589,6 +589,33 @@ def test_hba_file_lets_in_whom_pgbouncer_lets_in(pg: DevCluster, workdir: Path) 
     assert outcomes["scry"] == ["in", "refused", "refused", "in", "refused", "refused", "refused"]
 
 
+def test_a_peer_rule_with_a_user_name_map(pg: DevCluster, workdir: Path, wait_until) -> None:
+    """auth_ident_file (PgBouncer 1.23's; 1.18 has none, so scry alone): a
+    peer rule's map= lets the OS user in as the database users its map names,
+    and a reload (SIGHUP) reads the maps again."""
+    os_user = pwd.getpwuid(os.getuid()).pw_name
+    (workdir / "hba.conf").write_text("local all all peer map=local\n")
+    (workdir / "ident.conf").write_text(f"local {os_user} app\n")
+    bouncer = Bouncer("scry", pg, workdir)
+    bouncer.write_ini(
+        f"auth_hba_file = {workdir}/hba.conf\nauth_ident_file = {workdir}/ident.conf\n"
+    )
+    bouncer.ini.write_text(bouncer.ini.read_text().replace("auth_type = md5", "auth_type = hba"))
+    bouncer.start()
+    try:
+        assert _login(bouncer, True, "app", "", "app") == "in"
+        assert _login(bouncer, True, "stats", "", "pgbouncer") == "refused"
+        assert "not in map local as stats" in bouncer.output()
+        (workdir / "ident.conf").write_text(f"local {os_user} all\n")
+        assert bouncer.proc is not None
+        bouncer.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: _login(bouncer, True, "stats", "", "pgbouncer") == "in", 10,
+                   what="the reloaded map to let stats in")  # fmt: skip
+        assert _login(bouncer, True, "app", "", "app") == "in"
+    finally:
+        bouncer.stop()
+
+
 AUTH_QUERY_LOGINS = [  # (local, user, password, dbname)
     (False, "md5_user", "md5_pass", "app"),  # md5 secret: client and server login
     (False, "md5_user", "wrong", "app"),

@@ -214,6 +214,33 @@ def test_cert_auth_with_require_and_optional_client_certificate(proxies, certs) 
         query_tls(conninfo(proxy, certs, "require", password="app_pass"))
 
 
+def test_cert_rule_with_a_user_name_map(scry_proxy_module, certs, tmp_path_factory) -> None:
+    """An HBA cert rule with map=: the certificate's CN logs in as the users
+    the map names for it, and only those (its own name no longer counts)."""
+    d = tmp_path_factory.mktemp("maps")
+    (d / "hba.conf").write_text("hostssl all all 127.0.0.1/32 cert map=certs\n")
+    (d / "ident.conf").write_text("certs  /^cert_(user)$  app\n")
+    proxy = scry_proxy_module(
+        {
+            "tls": {
+                "client_tls_sslmode": "verify-ca",
+                "client_tls_cert_file": certs["cert"],
+                "client_tls_key_file": certs["key"],
+                "client_tls_ca_file": certs["ca"],
+            },
+            "auth": {
+                "type": "hba",
+                "auth_hba_file": str(d / "hba.conf"),
+                "auth_ident_file": str(d / "ident.conf"),
+            },
+        }
+    )
+    mapped = conninfo(proxy, certs, "verify-full", cert="other", password=None)  # CN cert_user
+    assert query_tls(mapped) == (True, "app")
+    with pytest.raises(psycopg.OperationalError, match="certificate authentication failed"):
+        query_tls(conninfo(proxy, certs, "verify-full", cert="app", password=None))
+
+
 def test_psql_verify_full_with_client_certificate(proxies, certs) -> None:
     proxy = proxies("verify-full", auth="cert")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}

@@ -565,6 +565,27 @@ def test_check_config_reads_the_hba_file(tmp_path: Path) -> None:
     assert CliRunner().invoke(app, ["check-config", "-c", str(path)]).exit_code == 0
 
 
+def test_check_config_reads_the_user_name_maps(tmp_path: Path) -> None:
+    """A map= the maps file does not define, or a line scry cannot honour in
+    it, fails check-config with the key and the line."""
+    hba = write(tmp_path, "local all all peer map=staff\n", "hba.conf")
+    auth = f"auth:\n  type: hba\n  auth_hba_file: {hba}\n"
+    path = write(tmp_path, SEED_YAML + auth)
+
+    def stderr() -> str:
+        result = CliRunner().invoke(app, ["check-config", "-c", str(path)])
+        return result.stderr if result.exit_code else ""
+
+    assert "line 1 names map=staff, which is not in auth.auth_ident_file (not set)" in stderr()
+    ident = write(tmp_path, "# maps\nothers alice app\n", "ident.conf")
+    path = write(tmp_path, SEED_YAML + auth + f"  auth_ident_file: {ident}\n")
+    assert f"names map=staff, which is not in the user name maps of {ident}" in stderr()
+    ident.write_text("# maps\nstaff alice +admins\n")
+    assert f"auth.auth_ident_file: {ident} line 2: group names (+admins)" in stderr()
+    ident.write_text("# maps\nstaff alice app\n")
+    assert stderr() == ""
+
+
 def test_check_config_reads_scry_config_env(tmp_path: Path) -> None:
     path = write(tmp_path, SEED_YAML)
     result = CliRunner().invoke(app, ["check-config"], env={"SCRY_CONFIG": str(path)})

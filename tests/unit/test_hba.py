@@ -72,6 +72,8 @@ def test_addresses_and_masks(rules: HbaRules) -> None:
         ("host all all 10.0.0.1", "expected TYPE DATABASE USER ADDRESS METHOD"),
         ("host all all all ident", "method 'ident' is not supported"),
         ("host all all all md5 clientcert=verify-full", "options after the method"),
+        ("host all all all md5 map=staff", "map= is only for peer and cert, not md5"),
+        ("local all all peer map=", "options after the method"),
         ("host all +admins all md5", "group names (+admins)"),
         ("host replication all all md5", "replication connections"),
         ("host all all all peer", "peer is only for local"),
@@ -103,3 +105,12 @@ def test_name_files_are_read_beside_the_hba_file(tmp_path: Path) -> None:
 def test_quotes_keep_commas_spaces_and_quotes() -> None:
     (rule,) = parse_hba('host "a,b","say ""hi""" all all trust\n')
     assert rule.databases == frozenset({"a,b", 'say "hi"'}) and rule.all_users
+
+
+def test_peer_and_cert_rules_may_name_a_user_name_map() -> None:
+    peer, cert, plain = parse_hba(
+        "local all all peer map=staff\nhostssl all all all cert map=certs\nhost all all all md5\n"
+    )
+    assert (peer.method, peer.user_map) == ("peer", "staff")
+    assert (cert.method, cert.user_map) == ("cert", "certs")
+    assert plain.user_map is None
