@@ -601,6 +601,12 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             return
         unanswered = self.unanswered
         self.unanswered = None
+        if server.fatal_relayed:
+            # The client has PostgreSQL's FATAL error, as it would without
+            # scry: only the close is left (a second error would read as two
+            # results of one query).
+            self._cleanup(reason)
+            return
         if unanswered is not None and not self._retried:
             self._retried = True
             event("server lost before answering; retrying on another server",

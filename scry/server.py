@@ -129,7 +129,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     __slots__ = (
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_exit_timer", "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
-        "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
+        "close_reason", "copy_early", "copy_window", "created_at", "evicted", "fatal_relayed", "id",
         "internal_error_fields", "internal_rows", "local_addr", "address", "params", "proxy",
         "release_after_cancel", "tls", "__weakref__"
     )  # fmt: skip
@@ -181,6 +181,9 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self._exit_timer: asyncio.TimerHandle | None = None  # see BACKEND_EXIT_WAIT
         self.cancels_pending = 0  # CancelRequests sent and not yet processed by PostgreSQL
         self.release_after_cancel = False
+        # PostgreSQL's own FATAL error went to the client: it says why the
+        # session ends, and a second error from scry would only garble that.
+        self.fatal_relayed = False
         self.statements = ServerStatements(
             pool.settings.max_prepared_statements, pool.parsed_statements
         )
@@ -452,6 +455,8 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                 self.statements.on_error()
                 fields = m.parse_fields(body)
                 self.sqlstate = fields.get("C", "XX000")
+                if fields.get("S") in ("FATAL", "PANIC"):
+                    self.fatal_relayed = True
                 if self.copy & COPY_LIVE:
                     self._copy_failed(self.sqlstate)
                 self.breaker.record_server_error(self.sqlstate, fields.get("M", ""))

@@ -344,6 +344,37 @@ def test_backend_killed_mid_transaction(scry_proxy, pg, backend_count, wait_unti
         bystander.close()
 
 
+@pytest.mark.parametrize("mode", ["transaction", "session"])
+def test_a_backend_killed_in_a_transaction_ends_its_client_with_one_error(
+    scry_proxy, pg, mode: str
+) -> None:
+    """The client gets PostgreSQL's own FATAL (57P01), then the close: what it
+    gets without scry. A second error of scry's own (as PgBouncer sends) is
+    read by libpq as two results of the client's next query."""
+    proxy = scry_proxy({**TRUST, "pool": {"mode": mode, "size": 2}})
+    marker = f"marker_{uuid.uuid4().hex[:8]}"
+    sock = raw_login(proxy.port)
+    sock.sendall(query_message(f"begin; select '{marker}'"))
+    answer = b""
+    while not answer.endswith(b"Z\0\0\0\x05T"):  # idle in the transaction
+        chunk = sock.recv(65536)
+        assert chunk, answer
+        answer += chunk
+    with psycopg.connect(pg.dsn(user="postgres", sslmode="disable"), autocommit=True) as adm:
+        (killed,) = adm.execute(
+            "select pg_terminate_backend(pid) from pg_stat_activity"
+            " where query like %s and usename = 'app' and pid <> pg_backend_pid()",
+            (f"%{marker}%",),
+        ).fetchone()
+        assert killed
+    messages = split_messages(read_all(sock))
+    assert [kind for kind, _ in messages] == ["E"], messages
+    error = parse_fields(messages[0][1])
+    assert (error["S"], error["C"]) == ("FATAL", "57P01"), error
+    sock.close()
+    assert psycopg_works(proxy)
+
+
 def test_idle_backends_killed(scry_proxy, pg, backend_count, wait_until) -> None:
     pool_size = 3
     proxy = scry_proxy({**TRUST, "pool": {"mode": "transaction", "size": pool_size}})
