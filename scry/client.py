@@ -789,8 +789,10 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         why = "not replayable: " + ", ".join(kept) if kept else "client is busy; try again"
         return {"unpinned": False, "reason": why, "lost": kept}
 
-    def cancel_current_query(self) -> None:
-        """A CancelRequest with our key: cancel what our server runs, if anything."""
+    def cancel_current_query(self) -> asyncio.Task[None] | None:
+        """A CancelRequest with our key: cancel what our server runs, if
+        anything; the forwarded cancel's task (None: nothing runs)."""
         server = self.server
         if server is not None and server.pending > 0:
-            server.send_cancel()
+            return server.send_cancel()
+        return None

@@ -167,11 +167,20 @@ class ClientLogin:
             elif isinstance(packet, st.GSSENCRequest):
                 self.transport.write(b"N")  # no GSSAPI encryption; the client may go on
             elif isinstance(packet, st.CancelRequest):
-                self.proxy.handle_cancel(packet.pid, packet.secret)
-                self._cleanup("cancel request", quiet=True)
+                done = self.proxy.handle_cancel(packet.pid, packet.secret)
+                if done is None:
+                    self._cleanup("cancel request", quiet=True)
+                else:
+                    # Closed once PostgreSQL has acted on it (scry.proxy.handle_cancel).
+                    self.transport.pause_reading()
+                    done.add_done_callback(lambda _: self._cancel_forwarded())
                 return
             else:
                 self._begin_login(packet, raw)
+
+    def _cancel_forwarded(self) -> None:
+        if self.state is not CLOSED:  # (unless client_login_timeout closed it first)
+            self._cleanup("cancel request", quiet=True)
 
     def _direct_tls(self, hello: bytes) -> None:
         context = self.proxy.client_tls.context

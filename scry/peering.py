@@ -297,10 +297,11 @@ class Peering:
         for task in list(self._tasks):
             task.cancel()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _watch_supervisor(self) -> None:
         # A worker whose supervisor died (SIGKILL) must not live on unmanaged.
@@ -313,16 +314,18 @@ class Peering:
 
     # --- cancel forwarding --------------------------------------------------------------
 
-    def forward_cancel(self, pid: int, secret: int) -> None:
-        """A CancelRequest whose key is not in this worker's table."""
+    def forward_cancel(self, pid: int, secret: int) -> asyncio.Future[Any] | None:
+        """A CancelRequest whose key is not in this worker's table; what
+        completes once its owner has acted on it (None: dropped)."""
         if pid <= 0:
-            return
+            return None
         peer, worker = key_owner(pid)
+        timeout = self.proxy.config.timeouts.cancel_wait_timeout
         if peer != self.peer_id:
             addr = self.proxy.config.peers.get(peer)
             if addr is None or pid & (VIA_PEER | VIA_LOCAL):
                 self.dropped += 1
-                return
+                return None
             self.forwarded += 1
             # (Imported here: the compiled relay imports this module, and
             # scry.server imports the relay's core, so a module-level import
@@ -330,12 +333,12 @@ class Peering:
             from scry.server import send_cancel_request
 
             address = split_host_port(addr)
-            timeout = self.proxy.config.timeouts.cancel_wait_timeout
-            self._spawn(send_cancel_request(address, pid | VIA_PEER, secret, timeout, to="peer"))
-            return
+            return self._spawn(
+                send_cancel_request(address, pid | VIA_PEER, secret, timeout, to="peer")
+            )
         if pid & VIA_LOCAL or self.dir is None:
             self.dropped += 1
-            return
+            return None
         targets = [
             path
             for inst in _instances(self.dir.parent)
@@ -343,11 +346,13 @@ class Peering:
         ]
         if not targets:
             self.dropped += 1
-            return
+            return None
         self.forwarded += 1
         payload = b"C" + cancel_request(pid | VIA_LOCAL, secret)
-        for path in targets:
-            self._spawn(_send_unix(path, payload))
+        # (The worker that owns the key closes once PostgreSQL has acted.)
+        return asyncio.gather(
+            *(self._spawn(_send_unix(path, payload, timeout)) for path in targets)
+        )
 
     # --- breaker sharing ----------------------------------------------------------------
 
@@ -421,7 +426,9 @@ class Peering:
                 body = await asyncio.wait_for(reader.readexactly(16), CONNECT_TIMEOUT)
                 _length, code, pid, secret = _CANCEL.unpack(body)
                 if code == CANCEL_REQUEST_CODE:
-                    self.proxy.handle_cancel(pid, secret)
+                    done = self.proxy.handle_cancel(pid, secret)
+                    if done is not None:
+                        await done  # (bounded by cancel_wait_timeout) then close
             elif kind == b"J":
                 line = await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT)
                 message = json.loads(line)
@@ -493,11 +500,19 @@ def _request_takeover(sock_path: Path) -> list[socket.socket]:
     return [socket.socket(fileno=fd) for fd in fds]
 
 
-async def _send_unix(path: Path, payload: bytes) -> None:
+async def _send_unix(path: Path, payload: bytes, until_closed: float | None = None) -> None:
+    """Send ``payload`` to a worker's socket; with ``until_closed``, wait (that
+    long at most, 0 = no bound) for the worker to close the connection."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), CONNECT_TIMEOUT)
-        writer.write(payload)
-        await writer.drain()
-        writer.close()
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(path)), CONNECT_TIMEOUT
+        )
+        try:
+            writer.write(payload)
+            await writer.drain()
+            if until_closed is not None:
+                await asyncio.wait_for(reader.read(), until_closed or None)
+        finally:
+            writer.close()
     except (OSError, TimeoutError):
         pass  # that worker is gone (restarting, or an instance that just stopped)

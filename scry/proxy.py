@@ -17,7 +17,7 @@ import signal
 import socket
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scry import __version__, systemd
 from scry.auth import AuthPolicy
@@ -639,12 +639,18 @@ class Proxy:
         client.cancel_key = key
         return key
 
-    def handle_cancel(self, pid: int, secret: int) -> None:
+    def handle_cancel(self, pid: int, secret: int) -> asyncio.Future[Any] | None:
+        """A CancelRequest: to the server running that client's query, or to
+        the worker or peer whose key it is. Returns what completes once
+        PostgreSQL has acted on it (None: nothing was forwarded). The
+        requester's connection stays open until then, as PostgreSQL keeps
+        it: libpq waits for that close, so that a cancel still on its way
+        cannot hit the client's next query instead."""
         client = self.cancel_keys.get((pid & KEY_MASK, secret))
         if client is not None:
-            client.cancel_current_query()
-        else:  # another worker's or peer's key (forwarded at most one hop each)
-            self.peering.forward_cancel(pid, secret)
+            return client.cancel_current_query()
+        # Another worker's or peer's key (forwarded at most one hop each).
+        return self.peering.forward_cancel(pid, secret)
 
 
 def _connection_changed(old: DatabaseTarget, new: DatabaseTarget) -> bool:

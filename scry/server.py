@@ -871,15 +871,15 @@ class ServerConnection(ServerCore, asyncio.Protocol):
             return
         self._broken(reason)
 
-    def send_cancel(self) -> None:
-        """Ask PostgreSQL to cancel whatever this backend is running.
+    def send_cancel(self) -> asyncio.Task[None]:
+        """Ask PostgreSQL to cancel whatever this backend is running; the task
+        ends once PostgreSQL has acted on it (or cancel_wait_timeout passed).
 
-        Until PostgreSQL has processed the request (it closes the cancel
-        connection), this server is not handed to another client: a late
+        Until then, this server is not handed to another client: a late
         cancel must never hit someone else's query.
         """
         self.cancels_pending += 1
-        asyncio.get_running_loop().create_task(self._cancel())
+        return asyncio.get_running_loop().create_task(self._cancel())
 
     async def _cancel(self) -> None:
         try:

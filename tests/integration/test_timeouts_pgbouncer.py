@@ -470,7 +470,8 @@ def test_server_connect_timeout(scry_proxy, pg, blackhole: int) -> None:
 
 
 class CancelHole:
-    """A TCP relay to PostgreSQL that holds every CancelRequest unanswered."""
+    """A TCP relay to PostgreSQL that holds every CancelRequest unanswered
+    until ``release`` is set, then passes it on."""
 
     CANCEL = struct.pack("!ii", 16, 80877102)
 
@@ -480,6 +481,7 @@ class CancelHole:
         self.port = self.srv.getsockname()[1]
         self.held = threading.Event()  # a cancel arrived
         self.given_up = threading.Event()  # ... and scry closed it
+        self.release = threading.Event()  # pass held cancels on to PostgreSQL
         self.held_for = 0.0
         self.socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -496,12 +498,22 @@ class CancelHole:
     def _serve(self, client: socket.socket) -> None:
         head = client.recv(8, socket.MSG_WAITALL)
         if head == self.CANCEL:
+            key = client.recv(8, socket.MSG_WAITALL)
             self.held.set()
             started = time.monotonic()
-            while client.recv(1024):  # never answered: wait for scry to give up
-                pass
-            self.held_for = time.monotonic() - started
-            self.given_up.set()
+            client.settimeout(0.02)
+            while not self.release.is_set():
+                try:
+                    if not client.recv(1024):  # scry gave up
+                        self.held_for = time.monotonic() - started
+                        self.given_up.set()
+                        return
+                except TimeoutError:
+                    continue
+            with socket.create_connection(("127.0.0.1", self.pg_port)) as upstream:
+                upstream.sendall(head + key)
+                upstream.recv(1)  # PostgreSQL closes it once it has acted
+            client.close()
             return
         upstream = socket.create_connection(("127.0.0.1", self.pg_port))
         self.socks.append(upstream)
@@ -548,7 +560,9 @@ def test_cancel_wait_timeout_bounds_a_cancel_nobody_answers(
         )
         query.start()
         wait_until(lambda: running(pg, "'slept'"), 5)
-        conn.cancel()  # through scry, which forwards it to the hole
+        # Through scry, which forwards it to the hole. (cancel_safe: libpq's
+        # PQcancel keeps the GIL while it waits, and the hole is a thread.)
+        conn.cancel_safe()
         assert cancel_hole.held.wait(5)
         assert cancel_hole.given_up.wait(5), "scry never gave up on the cancel"
         assert 0.4 < cancel_hole.held_for < 2.0, cancel_hole.held_for
@@ -558,6 +572,43 @@ def test_cancel_wait_timeout_bounds_a_cancel_nobody_answers(
         assert outcome == [("", "slept")]
         assert other.execute("select 'next'").fetchone() == ("next",)
     assert "cancel request to the server timed out" in proxy.log_text()
+
+
+def test_a_cancel_is_answered_once_postgresql_has_it(
+    scry_proxy, pg, cancel_hole: CancelHole, wait_until
+) -> None:
+    """PostgreSQL closes a cancel connection once it has acted on the request,
+    and libpq waits for that close so that a cancel still on its way cannot
+    hit the next query. scry keeps the client's cancel connection open until
+    its own, forwarded one is closed."""
+    proxy = scry_proxy(
+        {
+            "database_url": pg.url(host="127.0.0.1", port=cancel_hole.port),
+            "pool": {"mode": "transaction", "size": 1},
+        }
+    )
+    with connect(proxy) as conn:
+        outcome: list[object] = []
+
+        def sleep() -> None:
+            try:
+                outcome.append(conn.execute("select pg_sleep(30), 'slept'").fetchone())
+            except psycopg.Error as exc:
+                outcome.append(exc)
+
+        query = threading.Thread(target=sleep)
+        query.start()
+        wait_until(lambda: running(pg, "'slept'"), 5)
+        cancelling = threading.Thread(target=conn.cancel_safe)
+        cancelling.start()
+        assert cancel_hole.held.wait(5)
+        cancelling.join(0.5)  # (what must not happen has no event to await)
+        assert cancelling.is_alive(), "the client's cancel was answered before PostgreSQL had it"
+        cancel_hole.release.set()
+        cancelling.join(5)
+        assert not cancelling.is_alive()
+        query.join(5)
+        assert len(outcome) == 1 and isinstance(outcome[0], psycopg.errors.QueryCanceled), outcome
 
 
 def test_server_check_query_after_delay(scry_proxy, pg) -> None:
