@@ -489,6 +489,11 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         if out:
             client.unanswered = None
             client.transport.write(out)
+        if self.fatal_relayed:
+            # PostgreSQL closes the session after a FATAL error: the client
+            # gets the close with it, as from PostgreSQL, not a moment later.
+            self._broken("server ended the session with a FATAL error")
+            return
         if release and self._scanner.at_boundary:
             client.on_server_ready(self)
 

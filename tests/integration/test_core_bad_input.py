@@ -14,6 +14,7 @@ import uuid
 
 import psycopg
 import pytest
+from pgrelay import PgRelay
 
 TRUST = {"auth": {"type": "trust"}, "pool": {"mode": "transaction", "size": 2}}
 PROTOCOL_3 = 196608
@@ -373,6 +374,38 @@ def test_a_backend_killed_in_a_transaction_ends_its_client_with_one_error(
     assert (error["S"], error["C"]) == ("FATAL", "57P01"), error
     sock.close()
     assert psycopg_works(proxy)
+
+
+def test_a_fatal_error_and_the_close_reach_the_client_together(scry_proxy, pg) -> None:
+    """PostgreSQL closes a session right after its FATAL error. When that
+    close is slow to reach scry (staged here: 5 s late), the client still
+    gets the error and the close at once, as from PostgreSQL."""
+    relay = PgRelay(pg.port, close_delay=5)
+    try:
+        url = pg.url(host="127.0.0.1", port=relay.port)
+        # (Plain TCP to the relay: over TLS, PostgreSQL's close_notify would
+        # come with the error and close the session at once anyway.)
+        proxy = scry_proxy({**TRUST, "database_url": url, "tls": {"server_tls_sslmode": "disable"}})
+        marker = f"marker_{uuid.uuid4().hex[:8]}"
+        sock = raw_login(proxy.port)
+        sock.sendall(query_message(f"begin; select '{marker}'"))
+        answer = b""
+        while not answer.endswith(b"Z\0\0\0\x05T"):
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        with psycopg.connect(pg.dsn(user="postgres", sslmode="disable"), autocommit=True) as adm:
+            adm.execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity"
+                " where query like %s and usename = 'app' and pid <> pg_backend_pid()",
+                (f"%{marker}%",),
+            )
+        messages = split_messages(read_all(sock, timeout=2.5))  # (fails if not closed by then)
+        assert [kind for kind, _ in messages] == ["E"], messages
+        assert parse_fields(messages[0][1])["C"] == "57P01"
+        sock.close()
+    finally:
+        relay.close()
 
 
 def test_idle_backends_killed(scry_proxy, pg, backend_count, wait_until) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 import pytest
+from pgrelay import PgRelay
 
 PROTOCOL_3 = 196608
 
@@ -469,82 +470,15 @@ def test_server_connect_timeout(scry_proxy, pg, blackhole: int) -> None:
     assert time.monotonic() - started < 4
 
 
-class CancelHole:
-    """A TCP relay to PostgreSQL that holds every CancelRequest unanswered
-    until ``release`` is set, then passes it on."""
-
-    CANCEL = struct.pack("!ii", 16, 80877102)
-
-    def __init__(self, pg_port: int) -> None:
-        self.pg_port = pg_port
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        self.held = threading.Event()  # a cancel arrived
-        self.given_up = threading.Event()  # ... and scry closed it
-        self.release = threading.Event()  # pass held cancels on to PostgreSQL
-        self.held_for = 0.0
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client = self.srv.accept()[0]
-            except OSError:
-                return
-            self.socks.append(client)
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        head = client.recv(8, socket.MSG_WAITALL)
-        if head == self.CANCEL:
-            key = client.recv(8, socket.MSG_WAITALL)
-            self.held.set()
-            started = time.monotonic()
-            client.settimeout(0.02)
-            while not self.release.is_set():
-                try:
-                    if not client.recv(1024):  # scry gave up
-                        self.held_for = time.monotonic() - started
-                        self.given_up.set()
-                        return
-                except TimeoutError:
-                    continue
-            with socket.create_connection(("127.0.0.1", self.pg_port)) as upstream:
-                upstream.sendall(head + key)
-                upstream.recv(1)  # PostgreSQL closes it once it has acted
-            client.close()
-            return
-        upstream = socket.create_connection(("127.0.0.1", self.pg_port))
-        self.socks.append(upstream)
-        upstream.sendall(head)
-        threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
-        self._pump(client, upstream)
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.srv.close()
-        for s in self.socks:
-            s.close()
-
-
 @pytest.fixture
-def cancel_hole(pg) -> Iterator[CancelHole]:
-    hole = CancelHole(pg.port)
-    yield hole
-    hole.close()
+def cancel_hole(pg) -> Iterator[PgRelay]:
+    relay = PgRelay(pg.port, hold_cancels=True)
+    yield relay
+    relay.close()
 
 
 def test_cancel_wait_timeout_bounds_a_cancel_nobody_answers(
-    scry_proxy, pg, cancel_hole: CancelHole, wait_until
+    scry_proxy, pg, cancel_hole: PgRelay, wait_until
 ) -> None:
     proxy = scry_proxy(
         {
@@ -575,7 +509,7 @@ def test_cancel_wait_timeout_bounds_a_cancel_nobody_answers(
 
 
 def test_a_cancel_is_answered_once_postgresql_has_it(
-    scry_proxy, pg, cancel_hole: CancelHole, wait_until
+    scry_proxy, pg, cancel_hole: PgRelay, wait_until
 ) -> None:
     """PostgreSQL closes a cancel connection once it has acted on the request,
     and libpq waits for that close so that a cancel still on its way cannot
