@@ -587,13 +587,15 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
                     self.id, self.database, self.user, value, self.proxy.worker_id
                 )
 
-    def on_server_lost(self, server: ServerConnection, reason: str) -> None:
+    def on_server_lost(self, server: ServerConnection, reason: str, told: bool = False) -> None:
         """Our server died under us.
 
         If it died before answering anything since it was linked (an idle
         backend killed or restarted while in the pool), nothing ran: the
         messages go to another server, once. Otherwise the session is gone and
-        so is the client.
+        so is the client. ``told``: the client already has PostgreSQL's FATAL
+        error, as it would without scry, so only the close is left (a second
+        error would read as two results of one query).
         """
         if self.server is server:
             self.server = None
@@ -601,10 +603,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             return
         unanswered = self.unanswered
         self.unanswered = None
-        if server.fatal_relayed:
-            # The client has PostgreSQL's FATAL error, as it would without
-            # scry: only the close is left (a second error would read as two
-            # results of one query).
+        if told:
             self._cleanup(reason)
             return
         if unanswered is not None and not self._retried:

@@ -129,7 +129,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
     __slots__ = (
         "_auth", "_internal_answers", "_internal_done", "_internal_error", "_internal_timer",
         "_exit_timer", "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
-        "close_reason", "copy_early", "copy_window", "created_at", "evicted", "fatal_relayed", "id",
+        "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
         "internal_error_fields", "internal_rows", "local_addr", "address", "params", "proxy",
         "release_after_cancel", "tls", "__weakref__"
     )  # fmt: skip
@@ -181,9 +181,6 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self._exit_timer: asyncio.TimerHandle | None = None  # see BACKEND_EXIT_WAIT
         self.cancels_pending = 0  # CancelRequests sent and not yet processed by PostgreSQL
         self.release_after_cancel = False
-        # PostgreSQL's own FATAL error went to the client: it says why the
-        # session ends, and a second error from scry would only garble that.
-        self.fatal_relayed = False
         self.statements = ServerStatements(
             pool.settings.max_prepared_statements, pool.parsed_statements
         )
@@ -366,6 +363,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         cut = 0  # bytes already dropped from the front of ``out``
         drops: list[int] | None = None  # ends of ParseComplete/CloseComplete scry caused
         t_done = 0
+        fatal = False  # PostgreSQL ends the session with this chunk
         for kind, end, body in events:
             if kind == _Z:
                 status = self.tx_status = body[0]
@@ -456,7 +454,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                 fields = m.parse_fields(body)
                 self.sqlstate = fields.get("C", "XX000")
                 if fields.get("S") in ("FATAL", "PANIC"):
-                    self.fatal_relayed = True
+                    fatal = True
                 if self.copy & COPY_LIVE:
                     self._copy_failed(self.sqlstate)
                 self.breaker.record_server_error(self.sqlstate, fields.get("M", ""))
@@ -489,10 +487,10 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         if out:
             client.unanswered = None
             client.transport.write(out)
-        if self.fatal_relayed:
+        if fatal:
             # PostgreSQL closes the session after a FATAL error: the client
             # gets the close with it, as from PostgreSQL, not a moment later.
-            self._broken("server ended the session with a FATAL error")
+            self._broken("server ended the session with a FATAL error", told=True)
             return
         if release and self._scanner.at_boundary:
             client.on_server_ready(self)
@@ -635,14 +633,15 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                 name, value = m.parse_parameter_status(body)
                 self.params[name] = value
 
-    def _broken(self, reason: str) -> None:
+    def _broken(self, reason: str, told: bool = False) -> None:
+        """The session is gone; ``told``: its client has PostgreSQL's own error."""
         client = self.client
         if client is not None and self.sqlstate is None:
             # Lost mid-request without an error saying why: the server is sick.
             self.breaker.record_failure("server connection lost", gone=True)
         self.close(reason)
         if client is not None:
-            client.on_server_lost(self, reason)
+            client.on_server_lost(self, reason, told)
 
     # --- internal queries (reset, health check) --------------------------------
 

@@ -363,11 +363,6 @@ def _scram_iterations(builder: _Builder, key: str, entry: Entry) -> None:
         builder.set("auth.scram_iterations", rounds)
 
 
-def _auth_hba(builder: _Builder, key: str, entry: Entry) -> None:
-    if entry.value:
-        builder.set("auth.auth_hba_file", entry.value)
-
-
 def _str_or_skip(path: str) -> Handler:
     def handler(builder: _Builder, key: str, entry: Entry) -> None:
         if entry.value:
@@ -421,7 +416,7 @@ PGBOUNCER_KEYS: dict[str, Key] = {
     "scram_iterations": Key("4096", handler=_scram_iterations),
     # --- authentication
     "auth_type": Key("md5", handler=_auth_type),
-    "auth_hba_file": Key("", handler=_auth_hba),
+    "auth_hba_file": Key("", handler=_str_or_skip("auth.auth_hba_file")),
     "auth_ident_file": Key("", handler=_str_or_skip("auth.auth_ident_file")),
     "auth_file": Key(None, handler=_str_or_skip("auth.auth_file")),
     "auth_user": Key(None, handler=_str_or_skip("auth.auth_user")),
