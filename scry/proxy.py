@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from scry import __version__, systemd
+from scry.accept import ClientListener, bind_client_listeners
 from scry.auth import AuthPolicy
 from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition, classify_sqlstate
 from scry.config import Config, ConfigError, DatabaseTarget, load_config
@@ -73,7 +74,7 @@ class Proxy:
         self.scram_keys: dict[str, tuple[str, bytes]] = {}
         self.clients: set[ClientConnection] = set()
         self.cancel_keys: dict[tuple[int, int], ClientConnection] = {}
-        self.listeners: list[asyncio.Server] = []
+        self.listeners: list[ClientListener | asyncio.Server] = []
         self.started_at = time.time()
         self.draining = False
         self.clock = time.monotonic()  # coarse clock, updated by the janitor
@@ -112,21 +113,24 @@ class Proxy:
         inherited = self.peering.take_over_listeners()
         # (A partial, not a lambda: no Python frame per accepted connection.)
         new_client = functools.partial(ClientConnection, self)
+        # scry accepts its clients itself and answers a StartupMessage in the
+        # accept callback, before uvloop has a transport for it (scry.accept).
         if inherited:
-            server = await loop.create_server(new_client, sock=inherited[0])
+            server = ClientListener(inherited[:1], new_client)
             for sock in inherited[1:]:  # an old instance with several workers
-                self.listeners.append(await loop.create_server(new_client, sock=sock))
+                self.listeners.append(ClientListener([sock], new_client))
         else:
-            server = await loop.create_server(
-                new_client,
+            socks = bind_client_listeners(
                 host,
                 port,
-                reuse_address=True,
-                reuse_port=hasattr(socket, "SO_REUSEPORT"),
                 backlog=self.config.listen_backlog,
+                reuse_port=hasattr(socket, "SO_REUSEPORT"),
             )
+            server = ClientListener(socks, new_client)
         self.listeners.insert(0, server)
         self._tune_listeners()
+        for listener in self.listeners:
+            await listener.start_serving()
         if self.config.pgbouncer is not None and self.config.pgbouncer.unix_socket_dir:
             from scry.pgbouncer.console import start_unix_listener  # PgBouncer's .s.PGSQL.<port>
 
