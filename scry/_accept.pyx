@@ -9,7 +9,7 @@ calls, a C struct and the coroutine uvloop's ``connect_accepted_socket``
 needs.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.errno cimport EAGAIN, EINTR, EMFILE, ENFILE, ENOBUFS, ENOMEM, errno
 from libc.string cimport memcpy
 
@@ -223,9 +223,11 @@ cdef class EarlyTransport:
         if self._unsent is not None:
             self._unsent += data
             return
-        cdef const unsigned char[:] view = data
-        cdef Py_ssize_t n = view.shape[0]
-        cdef Py_ssize_t sent = send(self._fd, &view[0], n, MSG_DONTWAIT | MSG_NOSIGNAL)
+        cdef bytes chunk = data if type(data) is bytes else bytes(data)
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(chunk)
+        cdef Py_ssize_t sent = send(
+            self._fd, PyBytes_AS_STRING(chunk), n, MSG_DONTWAIT | MSG_NOSIGNAL
+        )
         cdef int err
         if sent < 0:
             err = errno
@@ -234,7 +236,7 @@ cdef class EarlyTransport:
                 return
             sent = 0
         if sent < n:
-            self._unsent = bytearray(view[sent:])
+            self._unsent = bytearray(chunk[sent:])
 
     def close(self):
         if self._real is not None:
