@@ -8,6 +8,8 @@ import asyncio
 import os
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -295,3 +297,63 @@ def test_a_protocol_that_fails_on_its_startup_loses_its_connection_not_the_liste
             raise RuntimeError("a bug in the protocol")
 
     run(acceptor, scenario, reply=reply)
+
+
+SERVE_WITH_FEW_DESCRIPTORS = """
+import asyncio, os, resource, sys
+import uvloop
+from scry import accept
+
+class Ok(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+    def data_received(self, data):
+        self.transport.write(b"ok")
+
+async def main():
+    (listening,) = accept.bind_client_listeners("127.0.0.1", 0, backlog=64, reuse_port=False)
+    listener = accept.ClientListener([listening], Ok, getattr(accept, sys.argv[1]))
+    await listener.start_serving()
+    room = len(os.listdir("/proc/self/fd")) + 3  # three clients, then EMFILE
+    resource.setrlimit(resource.RLIMIT_NOFILE, (room, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print(listening.getsockname()[1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+uvloop.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    "acceptor", ["PyAcceptor", "Acceptor"] if accept.COMPILED else ["PyAcceptor"]
+)
+def test_out_of_descriptors_the_listener_waits_says_so_once_and_recovers(acceptor: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_WITH_FEW_DESCRIPTORS, acceptor],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdin is not None
+    port = int(proc.stdout.readline())
+
+    def ask() -> bytes:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.settimeout(0.3)
+        sock.sendall(b"hello")
+        held.append(sock)
+        try:
+            return sock.recv(2)
+        except TimeoutError:
+            return b""
+
+    held: list[socket.socket] = []
+    try:
+        answers = [ask() for _ in range(6)]
+        assert answers[:3] == [b"ok"] * 3 and answers[3:] == [b""] * 3
+        for sock in held[:3]:
+            sock.close()
+        held[3].settimeout(5)  # waited in the backlog: served once descriptors are back
+        assert held[3].recv(2) == b"ok"
+    finally:
+        for sock in held:
+            sock.close()
+        _, err = proc.communicate(b"", timeout=10)
+    assert err.decode().count("accept failed; retrying") == 1, err.decode()
