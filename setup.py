@@ -1,6 +1,7 @@
 """Builds scry's optional C extensions from Cython: scry.protocol._scan (the
 relay's message scanner), scry._relay (the relay's hot state and its fast
-paths), scry._accept (the client listeners' accept callback), scry.observe._hot (the drain's hot-value counter),
+paths), scry._accept (the client listeners' accept callback),
+scry.observe._hot (the drain's hot-value counter),
 scry.observe._columns (the drain's walk over a chunk of records),
 scry.observe._encode (the event sink's batch encoder) and
 scry.observe._histogram (durations counted into buckets). Without a

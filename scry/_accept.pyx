@@ -22,6 +22,7 @@ cdef extern from "<sys/socket.h>" nogil:
     struct sockaddr_storage:
         sa_family_t ss_family
     int accept4(int fd, sockaddr* addr, socklen_t* addrlen, int flags)
+    int getsockname(int fd, sockaddr* addr, socklen_t* addrlen)
     ssize_t recv(int fd, void* buf, size_t n, int flags)
     ssize_t send(int fd, const void* buf, size_t n, int flags)
     enum: SOCK_CLOEXEC
@@ -276,8 +277,14 @@ cdef class EarlyTransport:
     def get_extra_info(self, name, default=None):
         if self._real is not None:
             return self._real.get_extra_info(name, default)
+        cdef sockaddr_storage local
+        cdef socklen_t local_len = sizeof(local)
         if name == "peername":
             return _address(&self._peer_addr)
+        if name == "sockname":
+            if getsockname(self._fd, <sockaddr*>&local, &local_len) != 0:
+                return default
+            return _address(&local)
         if name == "socket":
             return self._sock
         return default

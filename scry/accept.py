@@ -266,6 +266,8 @@ class PyEarlyTransport:
             return self._real.get_extra_info(name, default)
         if name == "peername":
             return self._peer
+        if name == "sockname":
+            return self._sock.getsockname()
         if name == "socket":
             return self._sock
         return default

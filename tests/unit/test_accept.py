@@ -153,17 +153,18 @@ def test_a_startup_message_is_answered_early_and_the_rest_comes_through_uvloop(
 
 
 @pytest.mark.parametrize("acceptor", ACCEPTORS)
-def test_the_early_transport_knows_the_clients_address(acceptor: type) -> None:
+def test_the_early_transport_knows_both_addresses(acceptor: type) -> None:
     async def scenario(loop: Any, client: socket.socket, made: Clients) -> None:
         await loop.sock_sendall(client, STARTUP)
         protocol = await made.nth(0)
         await protocol.got_data.wait()
-        assert seen == [client.getsockname()]
+        assert seen == [client.getsockname(), client.getpeername()]
 
     seen: list[Any] = []
 
     def reply(protocol: Recording, data: bytes) -> None:
         seen.append(protocol.transport.get_extra_info("peername"))
+        seen.append(protocol.transport.get_extra_info("sockname"))
 
     run(acceptor, scenario, reply=reply)
 
