@@ -349,9 +349,11 @@ class Peering:
             return None
         self.forwarded += 1
         payload = b"C" + cancel_request(pid | VIA_LOCAL, secret)
-        # (The worker that owns the key closes once PostgreSQL has acted.)
+        # (The worker that owns the key closes once PostgreSQL has acted.
+        # return_exceptions: sends cancelled at exit leave nothing unretrieved.)
         return asyncio.gather(
-            *(self._spawn(_send_unix(path, payload, timeout)) for path in targets)
+            *(self._spawn(_send_unix(path, payload, timeout)) for path in targets),
+            return_exceptions=True,
         )
 
     # --- breaker sharing ----------------------------------------------------------------
