@@ -19,6 +19,7 @@ from collections import Counter
 import psycopg
 import psycopg.errors
 import pytest
+from psycopg.pq import TransactionStatus
 
 CLIENTS = 16
 PHASE_SECONDS = 5.0
@@ -65,6 +66,12 @@ def _steps(proxy, seed: int, cancels: bool, stop: threading.Event, seen: Counter
         finally:
             if canceller is not None:
                 canceller.join()
+        if not conn.broken and conn.info.transaction_status == TransactionStatus.INERROR:
+            # A cancel that lands on the COMMIT fails it and leaves the
+            # transaction aborted (so it does against PostgreSQL itself), and
+            # psycopg's transaction() does not roll back after a failed
+            # COMMIT: the application must (once its cancel has been acted on).
+            conn.execute("rollback")
         if conn.broken:
             conn = _connect(proxy)
     conn.close()
