@@ -367,10 +367,9 @@ class PyEarlyTransport:
 
 
 try:  # the compiled twins, built by setup.py when a C compiler is at hand
-    from scry._accept import Acceptor, EarlyTransport  # type: ignore[import-not-found]
+    from scry._accept import Acceptor  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - a build without a C compiler
     Acceptor = PyAcceptor
-    EarlyTransport = PyEarlyTransport
 
 #: True when the compiled twins serve the listeners.
 COMPILED = Acceptor is not PyAcceptor
