@@ -471,17 +471,20 @@ class Peering:
         if proxy.admin is not None:
             await proxy.admin.stop()  # free its port for the new instance's admin
             proxy.admin = None
+        # TCP listeners, and PgBouncer's Unix socket (scry.pgbouncer.console):
+        # connections waiting in their accept queues are the new instance's.
         fds = [
             s.fileno()
             for server in proxy.listeners
             for s in server.sockets
-            if s.family in (socket.AF_INET, socket.AF_INET6)
+            if s.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)
         ]
         transport_sock = writer.get_extra_info("socket")
         # Blocking send on a dup: the pseudo-socket of the transport has no sendmsg.
         with socket.socket(fileno=os.dup(transport_sock.fileno())) as conn:
             conn.setblocking(True)
             socket.send_fds(conn, [b"ok"], fds)
+        proxy.listeners_handed_over = True  # (the Unix socket's file is theirs now)
         event("listening sockets handed over: draining until clients leave",
               sockets=len(fds), clients=len(proxy.clients))  # fmt: skip
         proxy.begin_drain(wait_for_clients=True)

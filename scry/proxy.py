@@ -75,6 +75,9 @@ class Proxy:
         self.clients: set[ClientConnection] = set()
         self.cancel_keys: dict[tuple[int, int], ClientConnection] = {}
         self.listeners: list[ClientListener | asyncio.Server] = []
+        # Set when a rolling restart took them (scry.peering): the new instance
+        # owns the sockets, and the Unix socket's file, from then on.
+        self.listeners_handed_over = False
         self.started_at = time.time()
         self.draining = False
         self.clock = time.monotonic()  # coarse clock, updated by the janitor
@@ -111,6 +114,9 @@ class Proxy:
         # SO_REUSEPORT: workers share the port, and a rolling restart can bind it
         # while the old instance drains (scry.peering checks nobody else serves it).
         inherited = self.peering.take_over_listeners()
+        # (PgBouncer's Unix socket is handed over too: see start_unix_listener.)
+        inherited_unix = [sock for sock in inherited if sock.family == socket.AF_UNIX]
+        inherited = [sock for sock in inherited if sock.family != socket.AF_UNIX]
         # (A partial, not a lambda: no Python frame per accepted connection.)
         new_client = functools.partial(ClientConnection, self)
         # scry accepts its clients itself and answers a StartupMessage in the
@@ -134,7 +140,11 @@ class Proxy:
         if self.config.pgbouncer is not None and self.config.pgbouncer.unix_socket_dir:
             from scry.pgbouncer.console import start_unix_listener  # PgBouncer's .s.PGSQL.<port>
 
-            self.listeners.append(await start_unix_listener(self))
+            self.listeners.append(await start_unix_listener(self, inherited_unix))
+        elif inherited_unix:
+            from scry.pgbouncer.console import drop_unix_sockets  # no longer configured
+
+            drop_unix_sockets(inherited_unix)
         await self.peering.start()
         if self.config.admin.enabled:
             from scry.adminapi import AdminServer

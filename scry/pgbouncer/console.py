@@ -25,8 +25,10 @@ import asyncio
 import contextlib
 import math
 import os
+import socket
 import stat
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from scry.log import event
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdminConsole", "ConsoleSession", "ConsoleState", "apply_config", "reload_pgbouncer_config",
-    "remove_unix_socket", "route_login", "start_unix_listener", "state_for",
+    "drop_unix_sockets", "remove_unix_socket", "route_login", "start_unix_listener", "state_for",
 ]  # fmt: skip
 
 
@@ -93,13 +95,26 @@ def route_login(
 
 def remove_unix_socket(proxy: Proxy) -> None:
     """At exit: remove the socket file this process made, unless a scry that
-    replaced it (``--replace``) has made its own at that path since."""
+    replaced it (``--replace``) took the socket over or made its own at that
+    path since."""
     state = state_for(proxy)
-    if state.unix_path is None:
+    if state.unix_path is None or proxy.listeners_handed_over:
         return
     with contextlib.suppress(OSError):
         if _file_identity(state.unix_path) == state.unix_file:
             os.unlink(state.unix_path)
+
+
+def drop_unix_sockets(socks: Sequence[socket.socket]) -> None:
+    """Close Unix listening sockets taken over that this process does not
+    serve (its ini moved or dropped ``unix_socket_dir``), and remove their
+    files: the process that made them handed them over and leaves them be."""
+    for sock in socks:
+        with contextlib.suppress(OSError):
+            path = sock.getsockname()
+            if isinstance(path, str) and path and stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)
+        sock.close()
 
 
 def _file_identity(path: str) -> tuple[int, int, int]:
@@ -140,21 +155,35 @@ def _hand_to_console(
         session.data_received(rest)
 
 
-async def start_unix_listener(proxy: Proxy) -> asyncio.Server:
+async def start_unix_listener(
+    proxy: Proxy, inherited: Sequence[socket.socket] = ()
+) -> asyncio.Server:
     """Listen on ``unix_socket_dir/.s.PGSQL.<port>`` as PgBouncer does (called
-    from ``Proxy.start``); a stale socket file from a dead process is replaced."""
+    from ``Proxy.start``); a stale socket file from a dead process is replaced.
+
+    ``inherited``: Unix sockets a rolling restart took over (``--replace``).
+    The one bound at this path is listened on as it is, so the connections in
+    its accept queue are served here; any other is closed and its file removed.
+    """
     from scry.client import ClientConnection
 
     compat = proxy.config.pgbouncer
     assert compat is not None and compat.unix_socket_dir
     path = os.path.join(compat.unix_socket_dir, f".s.PGSQL.{proxy.listen_port}")
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
+    taken = next((sock for sock in inherited if sock.getsockname() == path), None)
+    drop_unix_sockets([sock for sock in inherited if sock is not taken])
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(
-        lambda: ClientConnection(proxy), path, backlog=proxy.config.listen_backlog
-    )
+    if taken is not None:
+        server = await loop.create_unix_server(
+            lambda: ClientConnection(proxy), sock=taken, backlog=proxy.config.listen_backlog
+        )
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)
+        server = await loop.create_unix_server(
+            lambda: ClientConnection(proxy), path, backlog=proxy.config.listen_backlog
+        )
     state = state_for(proxy)
     state.unix_path = path
     os.chmod(path, compat.unix_socket_mode)

@@ -1,8 +1,8 @@
 """scry-pgbouncer --replace: a rolling restart from a pgbouncer.ini.
 
-The new process takes the listening socket over (so no connection is
-refused); the old one keeps its clients until they leave, then exits without
-removing the pidfile or the Unix socket the new one made.
+The new process takes the listening sockets over, TCP and Unix (so no
+connection is refused); the old one keeps its clients until they leave, then
+exits without removing the pidfile or the Unix socket it handed over.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psycopg
 from test_pgbouncer_compat import REPO, Bouncer, bouncer_dir
@@ -27,10 +28,12 @@ def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
         new = Bouncer("scry", pg, directory)
         new.port = old.port  # (the same ini: same port, pidfile and socket)
         new.write_ini()
+        unix_socket = directory / f".s.PGSQL.{old.port}"
         try:
             held = old.connect()
             held.execute("begin")
             held.execute("select 1")
+            listening = _listening_unix_socket(unix_socket)
             new.start("--replace")
             wait_until(lambda: "took over listening sockets" in old.output(), 15, what="takeover")
             assert old.proc is not None and new.proc is not None
@@ -46,6 +49,9 @@ def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
                 dbname="app", connect_timeout=10,
             ) as conn:  # fmt: skip
                 assert conn.execute("select 4").fetchone() == (4,)
+            # The same listening socket, handed over: not a new one bound at
+            # that path (whose accept queue would have lost what waited).
+            assert _listening_unix_socket(unix_socket) == listening
             pidfile = directory / "scry.pid"
             assert pidfile.read_text().strip() == str(new.proc.pid)
         finally:
@@ -53,6 +59,17 @@ def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
             old.stop()
         assert not (directory / f".s.PGSQL.{new.port}").exists()  # the new one removed its own
         assert "Traceback" not in new.output()
+
+
+def _listening_unix_socket(path: Path) -> str:
+    """The kernel's inode number of the socket listening at ``path`` (the
+    file's own inode number may be reused at once by a new bind)."""
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        # Num RefCount Protocol Flags Type St Inode Path; __SO_ACCEPTCON is 0x10000
+        if len(fields) == 8 and fields[7] == str(path) and int(fields[3], 16) & 0x10000:
+            return fields[6]
+    raise AssertionError(f"nothing listens at {path}")
 
 
 def test_scry_serve_pgbouncer_config_replace(pg: DevCluster) -> None:
@@ -76,3 +93,30 @@ def test_scry_serve_pgbouncer_config_replace(pg: DevCluster) -> None:
             new.wait(10)
             old.stop()
         assert "took over listening sockets" in (directory / "serve.out").read_text()
+
+
+def test_replace_whose_ini_drops_the_unix_socket_removes_it(pg: DevCluster) -> None:
+    """The old process handed its Unix socket over and leaves its file be; a
+    replacement whose ini no longer has ``unix_socket_dir`` closes the socket
+    and removes the file, so no stale socket is left behind."""
+    with bouncer_dir() as directory:
+        old = Bouncer("scry", pg, directory)
+        old.start()
+        unix_socket = directory / f".s.PGSQL.{old.port}"
+        assert unix_socket.exists()
+        new = Bouncer("scry", pg, directory)
+        new.port = old.port
+        new.write_ini()
+        new.ini.write_text(
+            new.ini.read_text().replace(f"unix_socket_dir = {directory}\n", "unix_socket_dir =\n")
+        )
+        try:
+            new.start("--replace")
+            assert old.proc is not None and old.proc.wait(15) == 0
+            assert not unix_socket.exists()
+            with new.connect() as conn:  # TCP, taken over
+                assert conn.execute("select 1").fetchone() == (1,)
+        finally:
+            new.stop()
+            old.stop()
+        assert "Traceback" not in new.output() + old.output()
