@@ -34,6 +34,10 @@ def is_address(host: str) -> bool:
     return True
 
 
+def _as_socket_address(address: str) -> str:
+    return f"[{address}]:0" if ":" in address else f"{address}:0"
+
+
 @dataclass
 class DnsEntry:
     """What one lookup of a name gave: addresses, or the error."""
@@ -116,9 +120,15 @@ class DnsCache:
         return entry
 
     def rows(self) -> list[tuple[str, int, str]]:
-        """SHOW DNS_HOSTS: each name, whole seconds left, its addresses."""
+        """SHOW DNS_HOSTS: each name, whole seconds left, its addresses as
+        PgBouncer prints them (``10.0.0.1:0``, ``[::1]:0``: a socket address
+        of the lookup, made without a port)."""
         now = self._clock()
         return [
-            (host, max(0, int(entry.expires - now)), ",".join(entry.addresses))
+            (
+                host,
+                max(0, int(entry.expires - now)),
+                ",".join(map(_as_socket_address, entry.addresses)),
+            )
             for host, entry in self.entries.items()
         ]

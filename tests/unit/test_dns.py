@@ -51,12 +51,12 @@ async def test_addresses_are_kept_for_max_ttl_and_handed_out_in_turn() -> None:
     clock.now += 14.9
     assert await cache.addresses("db", 5432, 15, 15) == ["10.0.0.1", "10.0.0.2"]
     assert stub.calls == ["db"] and cache.queries == 1
-    assert cache.rows() == [("db", 0, "10.0.0.1,10.0.0.2")]
+    assert cache.rows() == [("db", 0, "10.0.0.1:0,10.0.0.2:0")]
     stub.answers["db"] = ["10.0.0.3"]  # (moved: seen once the entry expires)
     clock.now += 0.1
     assert await cache.addresses("db", 5432, 15, 15) == ["10.0.0.3"]
     assert stub.calls == ["db", "db"]
-    assert cache.rows() == [("db", 15, "10.0.0.3")]
+    assert cache.rows() == [("db", 15, "10.0.0.3:0")]
 
 
 async def test_an_address_needs_no_lookup() -> None:
@@ -102,3 +102,9 @@ async def test_concurrent_connects_share_one_lookup_that_outlives_a_cancelled_on
     stub.gate.set()
     assert await second == ["10.0.0.1"]
     assert stub.calls == ["db"] and cache.pending == 0
+
+
+async def test_show_dns_hosts_prints_socket_addresses_as_pgbouncer() -> None:
+    cache = DnsCache(Clock(), StubResolver({"db": ["::1", "127.0.0.1"]}))
+    await cache.addresses("db", 5432, 15, 15)
+    assert cache.rows() == [("db", 15, "[::1]:0,127.0.0.1:0")]
