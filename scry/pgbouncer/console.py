@@ -117,6 +117,12 @@ def drop_unix_sockets(socks: Sequence[socket.socket]) -> None:
         sock.close()
 
 
+def _socket_at(path: str, socks: Sequence[socket.socket]) -> socket.socket | None:
+    """The one of ``socks`` bound at ``path`` (the same file however written)."""
+    here = os.path.abspath(path)
+    return next((sock for sock in socks if os.path.abspath(sock.getsockname()) == here), None)
+
+
 def _file_identity(path: str) -> tuple[int, int, int]:
     # (An inode number alone may be reused at once for the replacement's file.)
     info = os.stat(path)
@@ -170,7 +176,7 @@ async def start_unix_listener(
     compat = proxy.config.pgbouncer
     assert compat is not None and compat.unix_socket_dir
     path = os.path.join(compat.unix_socket_dir, f".s.PGSQL.{proxy.listen_port}")
-    taken = next((sock for sock in inherited if sock.getsockname() == path), None)
+    taken = _socket_at(path, inherited)
     drop_unix_sockets([sock for sock in inherited if sock is not taken])
     loop = asyncio.get_running_loop()
     if taken is not None:
