@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import psycopg
+import pytest
 from test_pgbouncer_compat import REPO, Bouncer, bouncer_dir
+from test_workers_rolling import assert_clean_run
 
-from scry.devcluster import DevCluster
+from scry.devcluster import DevCluster, find_pg_bindir
 
 
 def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
@@ -120,3 +122,43 @@ def test_replace_whose_ini_drops_the_unix_socket_removes_it(pg: DevCluster) -> N
             new.stop()
             old.stop()
         assert "Traceback" not in new.output() + old.output()
+
+
+@pytest.mark.slow
+def test_replace_under_pgbench_over_the_unix_socket(
+    pg: DevCluster, wait_until, tmp_path: Path
+) -> None:
+    """pgbench making a new connection for every transaction over the Unix
+    socket, across a takeover: none fails. (Binding a new socket in place of
+    the old one reset what waited in the old one's accept queue, and refused
+    connections while nothing listened at the path.)"""
+    script = tmp_path / "select1.sql"
+    script.write_text("select 1;\n")
+    with bouncer_dir() as directory:
+        old = Bouncer("scry", pg, directory)
+        old.start()
+        new = Bouncer("scry", pg, directory)
+        new.port = old.port
+        new.write_ini()
+        cmd = [
+            str(find_pg_bindir() / "pgbench"), "-n", "-M", "simple", "-f", str(script),
+            "-h", str(directory), "-p", str(old.port), "-U", "app",
+            "-C", "-c", "4", "-j", "1", "-T", "14", "app",
+        ]  # fmt: skip
+        env = {**os.environ, "PGPASSWORD": "app_pass"}
+        bench = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            wait_until(lambda: "client login" in old.output(), 15, what="pgbench logging in")
+            new.start("--replace")
+            wait_until(lambda: "took over listening sockets" in old.output(), 15, what="takeover")
+            assert bench.poll() is None, "the takeover came after the load; nothing was tested"
+            assert_clean_run(bench)
+            assert old.proc is not None and old.proc.wait(15) == 0
+        finally:
+            if bench.poll() is None:
+                bench.kill()
+                bench.wait()
+            new.stop()
+            old.stop()
