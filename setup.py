@@ -5,8 +5,9 @@ scry.observe._hot (the drain's hot-value counter),
 scry.observe._columns (the drain's walk over a chunk of records),
 scry.observe._encode (the event sink's batch encoder) and
 scry.observe._histogram (durations counted into buckets). Without a
-C compiler the install still succeeds and scry uses their pure-Python twins;
-metadata is in pyproject.toml."""
+C compiler, or with a Cython that cannot translate one of them, the install
+still succeeds and scry uses their pure-Python twins; metadata is in
+pyproject.toml."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -46,22 +47,32 @@ class BuildWhatCompiles(build_ext):
             self.extensions = every
 
 
-try:
-    from Cython.Build import cythonize
-except ImportError:  # (a build without Cython: the pure-Python twins)
-    ext_modules = []
-else:
-    ext_modules = cythonize(
-        [
-            Extension("scry.protocol._scan", ["scry/protocol/_scan.pyx"]),
-            Extension("scry._relay", ["scry/_relay.pyx"]),
-            Extension("scry._accept", ["scry/_accept.pyx"]),
-            Extension("scry.observe._hot", ["scry/observe/_hot.pyx"]),
-            Extension("scry.observe._columns", ["scry/observe/_columns.pyx"]),
-            Extension("scry.observe._encode", ["scry/observe/_encode.pyx"]),
-            Extension("scry.observe._histogram", ["scry/observe/_histogram.pyx"]),
-        ],
-        quiet=True,
-    )
+EXTENSIONS = [
+    Extension("scry.protocol._scan", ["scry/protocol/_scan.pyx"]),
+    Extension("scry._relay", ["scry/_relay.pyx"]),
+    Extension("scry._accept", ["scry/_accept.pyx"]),
+    Extension("scry.observe._hot", ["scry/observe/_hot.pyx"]),
+    Extension("scry.observe._columns", ["scry/observe/_columns.pyx"]),
+    Extension("scry.observe._encode", ["scry/observe/_encode.pyx"]),
+    Extension("scry.observe._histogram", ["scry/observe/_histogram.pyx"]),
+]
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildWhatCompiles})
+
+def translated(extensions: list[Extension]) -> list[Extension]:
+    """Each extension Cython translates to C; one it cannot (a Cython too new
+    or too old for its source) is left to its pure-Python twin, as one that
+    does not compile is."""
+    try:
+        from Cython.Build import cythonize
+    except ImportError:  # (a build without Cython: the pure-Python twins)
+        return []
+    out = []
+    for ext in extensions:
+        try:
+            out += cythonize([ext], quiet=True)
+        except Exception as exc:  # Cython's CompileError, ...
+            print(f"warning: {ext.name} was not translated ({exc}); scry uses its pure-Python twin")
+    return out
+
+
+setup(ext_modules=translated(EXTENSIONS), cmdclass={"build_ext": BuildWhatCompiles})
