@@ -148,7 +148,9 @@ def show_databases(console: AdminConsole) -> bytes:
         target = proxy.targets[name]
         override = overrides.get(name)
         mode = override.mode if override is not None else None
-        paused = console.state.paused_all or name in console.state.paused or pools_paused.get(name)
+        paused = bool(
+            console.state.paused_all or name in console.state.paused or pools_paused.get(name)
+        )
         rows.append([
             name, "unix" if target.host.startswith("/") else target.host, target.port,
             target.dbname, target.user, target.pool.size, target.pool.min_size,
