@@ -259,6 +259,20 @@ def parse_data_row(body: bytes) -> list[bytes | None]:
     return values
 
 
+def parse_row_description(body: bytes) -> list[tuple[str, int]]:
+    """The (name, type oid) of each column of a RowDescription body."""
+    (count,) = struct.unpack_from("!h", body)
+    columns = []
+    pos = 2
+    for _ in range(count):
+        stop = body.index(b"\x00", pos)
+        name = body[pos:stop].decode(errors="replace")
+        (type_oid,) = _I32.unpack_from(body, stop + 7)  # after table oid (4), column (2)
+        columns.append((name, type_oid))
+        pos = stop + 19  # NUL, table oid, column, type oid, size (2), modifier (4), format (2)
+    return columns
+
+
 def parse_fields(body: bytes) -> dict[str, str]:
     """Fields of an ErrorResponse/NoticeResponse body, by one-letter code."""
     fields: dict[str, str] = {}

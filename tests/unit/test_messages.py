@@ -142,6 +142,15 @@ def test_row_description_shape() -> None:
     assert cols == [("name", 0, 0, 25, -1, -1, 0), ("n", 0, 0, 23, -1, -1, 0)]
 
 
+def test_parse_row_description() -> None:
+    _kind, body = one(m.row_description([("name", 25), ("n", 23)]))
+    assert m.parse_row_description(body) == [("name", 25), ("n", 23)]
+    # As PostgreSQL sends one: a table's column, its size and modifier set.
+    column = b"id\x00" + struct.pack("!ihihih", 16384, 2, 20, 8, -1, 1)
+    assert m.parse_row_description(struct.pack("!h", 2) + column * 2) == [("id", 20)] * 2
+    assert m.parse_row_description(b"\x00\x00") == []
+
+
 def test_row_description_empty() -> None:
     assert one(m.row_description([])) == (ord("T"), b"\x00\x00")
 
