@@ -27,6 +27,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,11 +39,14 @@ __all__ = [
     "INSTANCE_KEY_ENV",
     "MAX_WORKERS",
     "Supervisor",
+    "WorkerCommand",
     "WorkerIdentity",
+    "join_instance",
     "resolve_workers",
     "run_supervisor",
     "run_worker",
     "share",
+    "worker_arguments",
     "worker_config",
 ]
 
@@ -197,21 +201,38 @@ class _WorkerField(logging.Filter):
         return True
 
 
-def run_worker(config: Config, config_path: str | None, identity: WorkerIdentity) -> int:
-    """Entry point of a worker process (``scry serve --worker-id I`` from the supervisor)."""
-    from scry.proxy import run_proxy
-
+def join_instance(identity: WorkerIdentity) -> WorkerIdentity:
+    """In a worker process: tag its log lines with its id, and take the
+    instance's anonymization key from the supervisor."""
     if identity.workers > 1:
         logger.addFilter(_WorkerField(identity.worker_id))
         key = os.environ.pop(INSTANCE_KEY_ENV, None)
         if key:
             identity = replace(identity, instance_key=key)
-    return run_proxy(config, config_path, identity)
+    return identity
+
+
+def run_worker(config: Config, config_path: str | None, identity: WorkerIdentity) -> int:
+    """Entry point of a worker process (``scry serve --worker-id I`` from the supervisor)."""
+    from scry.proxy import run_proxy
+
+    return run_proxy(config, config_path, join_instance(identity))
 
 
 # --------------------------------------------------------------------------- #
 # The supervisor
 # --------------------------------------------------------------------------- #
+
+
+#: A worker's command line, from who it is in the instance.
+WorkerCommand = Callable[[WorkerIdentity], list[str]]
+
+
+def worker_arguments(identity: WorkerIdentity) -> list[str]:
+    """The options telling a process started by the supervisor who it is."""
+    args = ["--workers", str(identity.workers), "--worker-id", str(identity.worker_id)]
+    args += ["--instance", str(identity.instance)]
+    return args + (["--replace"] if identity.replace else [])
 
 
 @dataclass
@@ -233,9 +254,17 @@ class Supervisor:
         config_path: str | None,
         workers: int,
         replace: bool = False,
+        *,
+        command: WorkerCommand | None = None,
+        stop_signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
     ) -> None:
         self.config = config
         self.config_path = config_path
+        #: How a worker is started (scry-pgbouncer's workers run its own command line).
+        self._command = command or self._serve_command
+        #: Forwarded to every worker, and no worker is restarted after one
+        #: (scry-pgbouncer adds SIGQUIT, PgBouncer's immediate stop).
+        self.stop_signals = stop_signals
         self.workers = [_Worker(i) for i in range(workers)]
         self.replace = replace
         self.instance = os.getpid()
@@ -248,18 +277,20 @@ class Supervisor:
         self.notifications: systemd.WorkerNotifications | None = None
 
     def command(self, worker: _Worker) -> list[str]:
+        # Only the first generation takes over the old instance (--replace).
+        identity = WorkerIdentity(worker.worker_id, len(self.workers), self.instance,
+                                  self.replace and worker.generation == 1)  # fmt: skip
+        return self._command(identity)
+
+    def _serve_command(self, identity: WorkerIdentity) -> list[str]:
         cmd = [sys.executable, "-m", "scry.cli", "serve"]
         if self.config_path is not None:
             cmd += ["-c", self.config_path]
-        cmd += ["--workers", str(len(self.workers)), "--worker-id", str(worker.worker_id)]
-        cmd += ["--instance", str(self.instance)]
-        if self.replace and worker.generation == 1:
-            cmd.append("--replace")  # only the first generation takes over the old instance
-        return cmd
+        return cmd + worker_arguments(identity)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in self.stop_signals:
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         for sig in (signal.SIGUSR1, signal.SIGUSR2):  # pause, resume
