@@ -166,13 +166,19 @@ def _load_pgbouncer(ini: Path, config: Path | None) -> tuple[Config, list[str]]:
 
 
 def _serve_pgbouncer(ini: Path, config: Path | None, workers: int | None, replace: bool) -> int:
-    """``scry serve --pgbouncer-config``: the same conversion as scry-pgbouncer."""
+    """``scry serve --pgbouncer-config``: the same conversion as scry-pgbouncer
+    (``--workers`` as its ``[scry] workers``)."""
     from scry.pgbouncer.account import AccountError, find_account
     from scry.pgbouncer.cli import _setup_logging, run
+    from scry.workers import resolve_workers
 
-    if workers not in (None, 1):
-        raise _fail("--workers is not supported with --pgbouncer-config yet")
     cfg, warnings = _load_pgbouncer(ini, config)
+    if workers is not None:
+        cfg = cfg.model_copy(update={"workers": workers})
+    try:
+        resolve_workers(cfg)  # a budget that cannot be divided is a config error
+    except ValueError as exc:
+        raise _fail(f"config error: {exc}") from None
     try:
         account = find_account(cfg.pgbouncer.user) if cfg.pgbouncer.user else None
     except AccountError as exc:

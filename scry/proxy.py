@@ -137,7 +137,9 @@ class Proxy:
         self._tune_listeners()
         for listener in self.listeners:
             await listener.start_serving()
-        if self.config.pgbouncer is not None and self.config.pgbouncer.unix_socket_dir:
+        compat = self.config.pgbouncer
+        # (A Unix socket has no SO_REUSEPORT sharing: worker 0 alone serves it.)
+        if compat is not None and compat.unix_socket_dir and self.worker_id == 0:
             from scry.pgbouncer.console import start_unix_listener  # PgBouncer's .s.PGSQL.<port>
 
             self.listeners.append(await start_unix_listener(self, inherited_unix))

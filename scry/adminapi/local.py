@@ -22,6 +22,8 @@ Views (NAME, parameters):
 ``kill`` ``unpin``         ``client_id`` (this worker's own id), ``disconnect``
 ``pause`` ``resume``       ``database``, ``wait``
 ``reload``                 re-read the config file
+``console``                a ``pgbouncer`` console statement: ``sql``, ``user``,
+                           ``admin``; the answer's wire bytes as latin-1 text
 
 Every request carries a ``deadline`` (epoch seconds): a worker that reads it
 later (it was stopped or overloaded) drops it instead of acting on it.
@@ -245,6 +247,20 @@ def _page(request: dict[str, Any]) -> tuple[int, int]:
     return int(request.get("limit", 100)), int(request.get("offset", 0))
 
 
+async def console(proxy: Proxy, request: dict[str, Any]) -> str:
+    """This worker's own answer to a ``pgbouncer`` console statement (asked by
+    the worker a console session is on: scry.pgbouncer.instance), as latin-1
+    text of the wire bytes."""
+    from scry.pgbouncer.dispatch import AdminConsole
+
+    answer = AdminConsole(
+        proxy, str(request["user"]), admin=bool(request["admin"]), local=True
+    ).handle_query(str(request["sql"]))
+    if not isinstance(answer, bytes):
+        answer = await answer
+    return answer.decode("latin-1")
+
+
 _Handler = Callable[["Proxy", dict[str, Any]], Any]
 
 _VIEWS: dict[str, _Handler] = {
@@ -262,6 +278,7 @@ _VIEWS: dict[str, _Handler] = {
     "pause": lambda p, r: pause(p, r.get("database"), float(r.get("wait", 5.0))),
     "resume": lambda p, r: resume(p, r.get("database")),
     "reload": lambda p, r: reload(p),
+    "console": console,
 }
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from scry import __version__, systemd
 from scry.log import event, logger, setup_logging
 from scry.pgbouncer.account import AccountError, become, find_account, hand_over
+from scry.workers import WorkerIdentity, resolve_workers
 
 PROG = "scry-pgbouncer"
 USAGE = f"""{PROG} is a PostgreSQL connection pooler (scry, PgBouncer-compatible).
@@ -63,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("config", nargs="?")
+    # A worker started by the supervisor of an instance with ``[scry] workers``.
+    parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-id", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--instance", type=int, help=argparse.SUPPRESS)
     return parser
 
 
@@ -105,12 +110,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             account = find_account(args.user or compat.user)
         except AccountError as exc:
             return _fail(str(exc))
+    try:
+        resolve_workers(config)  # a budget that cannot be divided is a config error
+    except ValueError as exc:
+        return _fail(f"config error: {exc}")
     if args.daemon and not compat.pidfile:
         return _fail("daemon mode needs pidfile configured")
     if args.daemon and not compat.logfile:
         return _fail("daemon mode needs logfile configured")
     if args.verbose:
         config = config.model_copy(update={"log": config.log.model_copy(update={"level": "debug"})})
+    if args.worker_id is not None:  # the supervisor printed the warnings, and owns the pidfile
+        identity = WorkerIdentity(args.worker_id, args.workers, args.instance, args.replace)
+        _setup_logging(config, quiet=args.quiet, logfile=compat.logfile, owner=account)
+        return run(config, warnings, account, verbose=args.verbose, identity=identity)
     for warning in warnings:
         if not args.quiet:
             print(f"{PROG}: {warning}", file=sys.stderr)
@@ -130,7 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for warning in warnings:
             event(warning, logging.WARNING)
-        return run(config, warnings, account, replace=args.replace, verbose=args.verbose)
+        flags = ["-q"] if args.quiet or args.daemon else []
+        flags += ["-v"] * args.verbose + (["-u", args.user] if args.user else [])
+        return run(
+            config, warnings, account, replace=args.replace, verbose=args.verbose, flags=flags
+        )
     finally:
         if pidfile:
             with contextlib.suppress(OSError):
@@ -198,21 +215,49 @@ def run(  # type: ignore[no-untyped-def]
     *,
     replace: bool = False,
     verbose: int = 0,
+    identity: WorkerIdentity | None = None,
+    flags: Sequence[str] = (),
 ) -> int:
     """Serve ``config`` (from a pgbouncer.ini) until a signal stops it, as
     ``account`` once the configuration is read; ``replace``: take over the
     listening sockets of the scry serving the port (``--replace``);
-    ``verbose``: how many ``-v`` (kept over the ini's ``verbose`` by reloads)."""
+    ``verbose``: how many ``-v`` (kept over the ini's ``verbose`` by reloads).
+
+    With ``[scry] workers`` (or ``scry serve --workers``) above 1 this process
+    is the supervisor (scry.workers) of that many workers, each this command
+    with ``flags`` (``-q``, ``-v``, ``-u``) and its ``identity``."""
     from scry.event_loop import run as run_loop
 
-    return run_loop(serve(config, warnings or [], account, replace, verbose))
+    if identity is None:
+        workers = resolve_workers(config)
+        if workers > 1:
+            return _supervise(config, workers, replace, flags)
+        identity = WorkerIdentity(instance=os.getpid(), replace=replace)
+    return run_loop(serve(config, warnings or [], account, identity, verbose))
+
+
+def _supervise(config, workers: int, replace: bool, flags: Sequence[str]) -> int:  # type: ignore[no-untyped-def]
+    """The supervisor of an instance of scry-pgbouncer workers. It forwards
+    PgBouncer's signals: SIGHUP, SIGUSR1 and SIGUSR2 to every worker; SIGINT,
+    SIGTERM and SIGQUIT too, after which no worker is restarted."""
+    from scry.workers import Supervisor, worker_arguments
+
+    ini = config.pgbouncer.conffile
+
+    def command(identity: WorkerIdentity) -> list[str]:
+        return [sys.executable, "-m", "scry.pgbouncer.cli", *flags,
+                *worker_arguments(identity), ini]  # fmt: skip
+
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+    supervisor = Supervisor(config, None, workers, replace, command=command, stop_signals=stops)
+    return asyncio.run(supervisor.run())
 
 
 async def serve(  # type: ignore[no-untyped-def]
     config,
     warnings: list[str],
     account: pwd.struct_passwd | None = None,
-    replace: bool = False,
+    identity: WorkerIdentity | None = None,
     verbose: int = 0,
 ) -> int:
     """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
@@ -220,9 +265,9 @@ async def serve(  # type: ignore[no-untyped-def]
     from scry.pgbouncer.console import reload_pgbouncer_config, remove_unix_socket, state_for
     from scry.pgbouncer.ini import IniError
     from scry.proxy import Proxy, freeze_startup_heap
-    from scry.workers import WorkerIdentity
+    from scry.workers import join_instance
 
-    identity = WorkerIdentity(instance=os.getpid(), replace=replace)
+    identity = join_instance(identity or WorkerIdentity(instance=os.getpid()))
     proxy = Proxy(config, None, identity)  # (reads auth_file, hba and TLS files while still root)
     if account is not None:
         try:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from scry.log import event
 from scry.pgbouncer.commands import COMMANDS, set_setting
+from scry.pgbouncer.instance import Route, answer_for_instance, route
 from scry.pgbouncer.results import READY, TEXT, ConsoleError, error, ok, result
 from scry.pgbouncer.state import state_for
 from scry.pgbouncer.views import SHOWS
@@ -69,16 +70,32 @@ class AdminConsole:
     """
 
     def __init__(
-        self, proxy: Proxy, user: str, *, admin: bool, session: ConsoleSession | None = None
+        self,
+        proxy: Proxy,
+        user: str,
+        *,
+        admin: bool,
+        session: ConsoleSession | None = None,
+        local: bool = False,
     ) -> None:
         self.proxy = proxy
         self.user = user
         self.admin = admin
         self.session = session
         self.state = state_for(proxy)
+        self.workers = proxy.identity.workers
+        #: Answer for this worker alone (asked by the worker a session is on).
+        self.local = local
 
     def handle_query(self, sql: str) -> bytes | Awaitable[bytes]:
-        """The full answer (ending in ReadyForQuery) to one simple Query."""
+        """The full answer (ending in ReadyForQuery) to one simple Query; with
+        several workers, for the whole instance (scry.pgbouncer.instance)."""
+        if self.workers > 1 and not self.local:
+            return answer_for_instance(self, sql, *_route(sql))
+        return self.answer_here(sql)
+
+    def answer_here(self, sql: str) -> bytes | Awaitable[bytes]:
+        """The answer of this worker alone."""
         try:
             return self._dispatch(sql)
         except ConsoleError as exc:
@@ -120,6 +137,18 @@ class AdminConsole:
         if name == "fds" and not self.admin:
             raise ConsoleError("admin access needed")
         return show(self)
+
+
+def _route(sql: str) -> tuple[Route, str]:
+    """Where a statement runs with several workers, and its argument."""
+    match = _CMD.match(sql)
+    if match:
+        arg = _unquote(match[2], '"') if match[2] else ""
+        return route(_unquote(match[1], '"').lower(), arg), arg
+    match = _SET.match(sql)
+    if match and _unquote(match[1], '"').lower() not in _FAKE_PARAMS:
+        return route("set", ""), ""
+    return Route.HERE, ""
 
 
 def _unquote(text: str, quote_char: str) -> str:

@@ -64,6 +64,7 @@ class FakeProxy:
         self.started_at = 0.0
         timeouts = SimpleNamespace(server_check_delay=30.0, server_lifetime=3600.0)
         self.config = SimpleNamespace(timeouts=timeouts, pgbouncer=None, databases={})
+        self.identity = SimpleNamespace(workers=1)
 
 
 def server(ident: str, pool: Any, **state: Any) -> Any:

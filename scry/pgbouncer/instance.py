@@ -1,0 +1,155 @@
+"""The ``pgbouncer`` console of an instance with several workers.
+
+With ``workers: N`` a console session lands on whichever worker the kernel
+gave its connection (or on worker 0, which alone serves the Unix socket).
+That worker answers for the whole instance, as PgBouncer's single process
+would:
+
+* SHOW asks every worker over its peering socket (``{"op": "admin",
+  "view": "console"}``, answered by each worker's own console) and merges
+  the rows (scry.pgbouncer.merge);
+* commands (PAUSE, RESUME, RELOAD, SET, KILL, SHUTDOWN...) run on every
+  worker, and the answer comes when all have answered (a PAUSE, when every
+  worker's servers are released). Refused everywhere, the answer is the
+  error; refused by some (a worker restarted since a PAUSE is not paused),
+  it is the success, with a NOTICE naming each refusal;
+* KILL_CLIENT goes to the worker that owns the id (ids are instance-wide:
+  scry.pgbouncer.merge.instance_id).
+
+A worker that does not answer in time is left out and named in a notice;
+the session never hangs on a sick worker for a SHOW.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+from scry.log import event
+from scry.pgbouncer.merge import MERGERS, local_id, merge_show, parse_answer
+from scry.pgbouncer.results import READY, error
+from scry.protocol import messages as m
+
+if TYPE_CHECKING:
+    from scry.pgbouncer.dispatch import AdminConsole
+
+__all__ = ["answer_for_instance"]
+
+#: Seconds each worker gets for a SHOW, and for a command that does not wait.
+SHOW_TIMEOUT = 1.0
+COMMAND_TIMEOUT = 10.0
+#: Commands that wait for the pools (PAUSE, SUSPEND, WAIT_CLOSE, SHUTDOWN
+#: WAIT_FOR_*): as long as they take, as in PgBouncer.
+WAITING_TIMEOUT = 24 * 3600.0
+_WAITING = frozenset({"pause", "suspend", "wait_close", "shutdown"})
+#: An immediate SHUTDOWN: how long the others get to take it before this one stops.
+SHUTDOWN_GRACE = 2.0
+
+
+class Route(enum.Enum):
+    HERE = "here"  # the same on every worker (SHOW VERSION, SET client_encoding...)
+    SHOW = "show"  # every worker's rows, merged
+    EVERYWHERE = "everywhere"  # a command every worker runs
+    OWNER = "owner"  # KILL_CLIENT: the worker that owns the id
+    STOP = "stop"  # an immediate SHUTDOWN: the others first
+
+
+def route(command: str, arg: str) -> Route:
+    """Where ``command`` (a console statement's first word, lowercase; ``set``
+    for ``SET key = value``) runs."""
+    if command in ("show", "select"):
+        return Route.SHOW if arg.lower() in MERGERS else Route.HERE
+    if command == "kill_client":
+        return Route.OWNER
+    if command == "shutdown" and not arg:
+        return Route.STOP
+    return Route.EVERYWHERE
+
+
+async def answer_for_instance(console: AdminConsole, sql: str, where: Route, arg: str) -> bytes:
+    """The answer to ``sql`` for the whole instance (see the module's docstring)."""
+    me = console.proxy.worker_id
+    others = [w for w in range(console.workers) if w != me]
+    if where is Route.STOP:
+        if console.admin:  # (a stats user is refused here, and nowhere else asked)
+            await _ask(console, dict.fromkeys(others, sql), SHUTDOWN_GRACE)
+        return await _settled(console.answer_here(sql))
+    if where is Route.OWNER:
+        return await _kill_client(console, sql, arg)
+    own = console.answer_here(sql)
+    if where is Route.HERE:
+        return await _settled(own)
+    if where is Route.SHOW:
+        assert isinstance(own, bytes)
+        if parse_answer(own).error is not None:
+            return own  # (an unknown view, or SHOW FDS for a stats user: the same everywhere)
+        answers, missing = await _ask(console, dict.fromkeys(others, sql), SHOW_TIMEOUT)
+        answers[me] = own
+        return _notices(missing) + merge_show(arg.lower(), answers, me, console.workers)
+    if not console.admin:
+        return await _settled(own)  # "admin access needed", on every worker
+    command = sql.split(None, 1)[0].lower().strip(";")
+    timeout = WAITING_TIMEOUT if command in _WAITING else COMMAND_TIMEOUT
+    (answers, missing), mine = await asyncio.gather(
+        _ask(console, dict.fromkeys(others, sql), timeout), _settled(own)
+    )
+    answers[me] = mine
+    errors = {w: parse_answer(a).error for w, a in answers.items()}
+    done = [w for w in sorted(answers) if errors[w] is None]
+    if not done:
+        return _notices(missing) + answers[me]  # refused everywhere: one error
+    # Refused by some: their state differed (a worker restarted since a PAUSE...).
+    refusals = b"".join(
+        m.notice_response(f"worker {w}: {error.get('M', 'error')}")
+        for w, error in sorted(errors.items())
+        if error is not None
+    )
+    return _notices(missing) + refusals + answers[me if me in done else done[0]]
+
+
+async def _kill_client(console: AdminConsole, sql: str, arg: str) -> bytes:
+    wanted = arg.lstrip("cC")
+    if not console.admin or not wanted.isdigit():
+        return await _settled(console.answer_here(sql))  # its error, as one worker says it
+    worker, own_id = local_id(int(wanted), console.workers)
+    local_sql = f"KILL_CLIENT {own_id}"
+    if worker == console.proxy.worker_id:
+        return await _settled(console.answer_here(local_sql))
+    answers, missing = await _ask(console, {worker: local_sql}, COMMAND_TIMEOUT)
+    if worker in answers:
+        return answers[worker]
+    return _notices(missing) + error("client not found") + READY
+
+
+async def _ask(
+    console: AdminConsole, statements: dict[int, str], timeout: float
+) -> tuple[dict[int, bytes], dict[int, str]]:
+    """Each worker's answer to its statement, and why each worker that
+    gave none did not (over the peering sockets: scry.adminapi.instance)."""
+    from scry.adminapi.instance import Instance  # (the console loads without the admin API)
+
+    requests = {
+        worker: {"view": "console", "sql": sql, "user": console.user, "admin": console.admin}
+        for worker, sql in statements.items()
+    }
+    gathered = await Instance(console.proxy).gather(requests, timeout)
+    answers = {w: a.encode("latin-1") for w, a in gathered.answers.items()}
+    missing = dict(gathered.missing)
+    missing.update((w, e.message) for w, e in gathered.errors.items())
+    return answers, missing
+
+
+async def _settled(answer: bytes | Awaitable[bytes]) -> bytes:
+    return answer if isinstance(answer, bytes) else await answer
+
+
+def _notices(missing: dict[int, str]) -> bytes:
+    """A NoticeResponse per worker left out of the answer (logged once, too)."""
+    out = []
+    for worker, why in sorted(missing.items()):
+        event("console: a worker did not answer", logging.WARNING, worker=worker, error=why)
+        out.append(m.notice_response(f"worker {worker} did not answer ({why}); left out"))
+    return b"".join(out)

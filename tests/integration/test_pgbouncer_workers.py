@@ -1,0 +1,261 @@
+"""A pgbouncer.ini served by several workers: ``[scry] workers = 2`` for
+scry-pgbouncer, ``--workers 2`` for ``scry serve --pgbouncer-config``.
+
+The workers share the port (SO_REUSEPORT), so a client or a console session
+lands on either. The ``pgbouncer`` console answers for the whole instance
+wherever it lands: SHOW merges every worker's rows, commands reach every
+worker, KILL_CLIENT finds the worker that owns the id. Worker 0 alone serves
+the Unix socket.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from test_pgbouncer_compat import REPO, Bouncer, bouncer_dir
+
+from scry.devcluster import DevCluster
+
+WORKERS = "\n[scry]\nworkers = 2\n"
+
+
+def wait_workers(bouncer: Bouncer, wait_until: Callable[..., Any]) -> None:
+    wait_until(
+        lambda: set(re.findall(r"listening .*worker=(\d)", bouncer.output())) == {"0", "1"},
+        15,
+        what="both workers listening",
+    )
+
+
+@pytest.fixture
+def instance(pg: DevCluster, wait_until: Callable[..., Any]) -> Iterator[Bouncer]:
+    with bouncer_dir() as directory:
+        bouncer = Bouncer("scry", pg, directory)
+        bouncer.ini.write_text(bouncer.ini.read_text() + WORKERS)
+        bouncer.start()
+        try:
+            wait_workers(bouncer, wait_until)
+            yield bouncer
+        finally:
+            bouncer.stop()
+
+
+def show(bouncer: Bouncer, what: str, **connect: Any) -> list[dict[str, Any]]:
+    answer = bouncer.admin(f"SHOW {what}", **connect)
+    assert answer[0] != "error", answer
+    columns, rows, _status = answer
+    names = [name for name, _type in columns]
+    return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+def pool(bouncer: Bouncer, database: str = "app") -> dict[str, Any]:
+    return next(r for r in show(bouncer, "POOLS") if r["database"] == database)
+
+
+@contextlib.contextmanager
+def app_clients(bouncer: Bouncer, count: int) -> Iterator[list[psycopg.Connection]]:
+    """``count`` clients of database app, each having run a query."""
+    conns = [bouncer.connect() for _ in range(count)]
+    try:
+        for conn in conns:
+            conn.execute("select 1")
+        yield conns
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def notices_of(console: psycopg.Connection) -> list[str]:
+    """The NOTICEs the console sends from now on (kept as they come)."""
+    notices: list[str] = []
+    console.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+    console.prepare_threshold = None
+    return notices
+
+
+def local_port(conn: psycopg.Connection) -> int:
+    with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def console_over_unix(bouncer: Bouncer) -> psycopg.Connection:
+    return psycopg.connect(
+        host=str(bouncer.dir), port=bouncer.port, user="admin", password="admin_pass",
+        dbname="pgbouncer", autocommit=True,
+    )  # fmt: skip
+
+
+def test_show_counts_every_workers_clients(instance: Bouncer) -> None:
+    with app_clients(instance, 16) as conns:
+        clients = [r for r in show(instance, "CLIENTS") if r["database"] == "app"]
+        assert len(clients) == 16
+        # Both workers have some (all 16 on one: odds of 2 in 65536).
+        assert {r["ptr"].split(".")[0] for r in clients} == {"w0", "w1"}
+        assert sorted(r["port"] for r in clients) == sorted(map(local_port, conns))
+        every = show(instance, "SOCKETS")
+        # Ids are instance-wide (clients and servers are numbered apart, as before).
+        assert len({(r["type"], r["id"]) for r in every}) == len(every)
+
+        assert pool(instance)["cl_active"] == 16
+        databases = {r["name"]: r for r in show(instance, "DATABASES")}
+        assert databases["app"]["pool_size"] == 4  # default_pool_size: 2 + 2
+        assert databases["app"]["current_client_connections"] == 16
+        assert databases["pgbouncer"]["pool_size"] == 2  # the console's row is no budget
+        assert databases["forced"]["paused"] == 0  # (no pool yet: 0, not NULL)
+        stats = next(r for r in show(instance, "STATS") if r["database"] == "app")
+        assert stats["total_query_count"] >= 16
+        lists = {r["list"]: r["items"] for r in show(instance, "LISTS")}
+        assert lists["used_clients"] == 17  # and this console session
+        assert lists["databases"] == 4  # app, forced, spread, pgbouncer: not twice
+
+        # Worker 0 alone serves the Unix socket.
+        with console_over_unix(instance) as console:
+            console.prepare_threshold = None
+            cur = console.execute("SHOW CLIENTS", prepare=False)
+            names = [c.name for c in cur.description or []]
+            sessions = [r for r in cur.fetchall() if r[names.index("database")] == "pgbouncer"]
+            assert [r[names.index("ptr")][:4] for r in sessions] == ["w0.a"]
+
+
+def test_kill_client_reaches_the_worker_that_owns_it(instance: Bouncer) -> None:
+    with app_clients(instance, 12) as conns:
+        by_port = {local_port(conn): conn for conn in conns}
+        clients = [r for r in show(instance, "CLIENTS") if r["database"] == "app"]
+        victims = {}
+        for row in clients:  # one client of each worker
+            victims.setdefault(row["ptr"].split(".")[0], row)
+        assert set(victims) == {"w0", "w1"}
+        for row in victims.values():
+            assert instance.admin(f"KILL_CLIENT {row['id']}")[2] == "KILL_CLIENT"
+        killed = {by_port[row["port"]] for row in victims.values()}
+        for conn in conns:
+            if conn in killed:
+                with pytest.raises(psycopg.OperationalError):
+                    conn.execute("select 1")
+            else:
+                assert conn.execute("select 1").fetchone() == (1,)
+        assert len([r for r in show(instance, "CLIENTS") if r["database"] == "app"]) == 10
+        assert instance.admin("KILL_CLIENT 999999")[1:] == ("08P01", "client not found")
+
+
+def test_pause_and_resume_reach_every_worker(
+    instance: Bouncer, wait_until: Callable[..., Any]
+) -> None:
+    with app_clients(instance, 12) as conns:
+        assert instance.admin("PAUSE")[2] == "PAUSE"
+        assert dict((r["key"], r["value"]) for r in show(instance, "STATE"))["paused"] == "yes"
+        with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool_:
+            queries = [pool_.submit(conn.execute, "select 1") for conn in conns]
+            wait_until(lambda: pool(instance)["cl_waiting"] == 12, 10, what="12 clients waiting")
+            waiting = [r for r in show(instance, "CLIENTS") if r["state"] == "waiting"]
+            assert {r["ptr"].split(".")[0] for r in waiting} == {"w0", "w1"}
+            assert not any(q.done() for q in queries)
+            assert instance.admin("RESUME")[2] == "RESUME"
+            for query in queries:
+                assert query.result(10).fetchone() == (1,)
+        # Every worker agrees it is no longer paused.
+        assert instance.admin("RESUME")[1:] == ("08P01", "pooler is not paused/suspended")
+
+
+def test_resume_after_a_worker_restarted_resumes_the_rest(
+    instance: Bouncer, wait_until: Callable[..., Any]
+) -> None:
+    with console_over_unix(instance) as console:  # (worker 0's: it stays)
+        notices = notices_of(console)
+        assert console.execute("PAUSE", prepare=False).statusmessage == "PAUSE"
+        os.kill(worker_pid(instance, 1), signal.SIGKILL)
+        wait_until(
+            lambda: len(re.findall(r"listening .*worker=1", instance.output())) == 2,
+            15,
+            what="worker 1 started again",
+        )
+        assert console.execute("RESUME", prepare=False).statusmessage == "RESUME"
+        assert notices == ["worker 1: pooler is not paused/suspended"]
+    with instance.connect() as conn:  # (on either worker)
+        assert conn.execute("select 1").fetchone() == (1,)
+    assert dict((r["key"], r["value"]) for r in show(instance, "STATE"))["paused"] == "no"
+
+
+def worker_pid(bouncer: Bouncer, worker: int) -> int:
+    assert bouncer.proc is not None
+    marker = f"--worker-id\x00{worker}\x00"
+    return next(pid for pid in children(bouncer.proc.pid) if marker in cmdline(pid))
+
+
+def test_a_stopped_worker_is_left_out_with_a_notice(instance: Bouncer) -> None:
+    worker_1 = worker_pid(instance, 1)
+    os.kill(worker_1, signal.SIGSTOP)
+    try:
+        with console_over_unix(instance) as console:  # (worker 0's)
+            notices = notices_of(console)
+            started = time.monotonic()
+            rows = console.execute("SHOW POOLS", prepare=False).fetchall()
+            assert time.monotonic() - started < 5
+            assert rows
+            assert notices == ["worker 1 did not answer (timeout (1 s)); left out"]
+    finally:
+        os.kill(worker_1, signal.SIGCONT)
+
+
+def test_shutdown_stops_the_instance(instance: Bouncer) -> None:
+    with instance.connect("admin", "admin_pass", "pgbouncer") as console:
+        console.prepare_threshold = None
+        with pytest.raises(psycopg.OperationalError):
+            console.execute("SHUTDOWN", prepare=False)
+    assert instance.proc is not None
+    assert instance.proc.wait(15) == 0
+    assert not (instance.dir / f".s.PGSQL.{instance.port}").exists()
+    log = instance.output()
+    assert "worker exited worker=0 exit_code=0" in log
+    assert "worker exited worker=1 exit_code=0" in log
+
+
+def test_scry_serve_workers_and_sighup(pg: DevCluster, wait_until: Callable[..., Any]) -> None:
+    """``scry serve --pgbouncer-config --workers 2``; a SIGHUP to the
+    supervisor re-reads the ini in every worker."""
+    with bouncer_dir() as directory, contextlib.ExitStack() as stack:
+        bouncer = Bouncer("scry", pg, directory)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SCRY_")}
+        out = stack.enter_context(open(directory / "scry.out", "ab"))  # noqa: SIM115
+        bouncer._out = out
+        cmd = [sys.executable, "-m", "scry.cli", "serve", "--pgbouncer-config", str(bouncer.ini),
+               "--workers", "2"]  # fmt: skip
+        bouncer.proc = subprocess.Popen(
+            cmd, cwd=REPO, env={**env, "SCRY_ADMIN__ENABLED": "false"}, stdout=out, stderr=out
+        )
+        stack.callback(bouncer.stop)
+        wait_workers(bouncer, wait_until)
+        assert pool_size(bouncer) == 4
+        bouncer.ini.write_text(
+            bouncer.ini.read_text().replace("default_pool_size = 4", "default_pool_size = 8")
+        )
+        bouncer.proc.send_signal(signal.SIGHUP)
+        # 4 + 4; a worker that missed the SIGHUP would leave it at 6.
+        wait_until(lambda: pool_size(bouncer) == 8, 10, what="pool_size 8 on both workers")
+
+
+def pool_size(bouncer: Bouncer) -> int:
+    size: int = next(r for r in show(bouncer, "DATABASES") if r["name"] == "app")["pool_size"]
+    return size
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text()
