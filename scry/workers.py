@@ -33,7 +33,7 @@ from typing import Any
 
 from scry import systemd
 from scry.config import Config, PoolConfig, PoolOverride
-from scry.log import event, logger, setup_logging
+from scry.log import connections_logger, disconnections_logger, event, logger, setup_logging
 
 __all__ = [
     "INSTANCE_KEY_ENV",
@@ -205,7 +205,10 @@ def join_instance(identity: WorkerIdentity) -> WorkerIdentity:
     """In a worker process: tag its log lines with its id, and take the
     instance's anonymization key from the supervisor."""
     if identity.workers > 1:
-        logger.addFilter(_WorkerField(identity.worker_id))
+        tag = _WorkerField(identity.worker_id)
+        # (A logger's filters do not see its children's records: each gets it.)
+        for each in (logger, connections_logger, disconnections_logger):
+            each.addFilter(tag)
         key = os.environ.pop(INSTANCE_KEY_ENV, None)
         if key:
             identity = replace(identity, instance_key=key)

@@ -106,6 +106,8 @@ def test_show_counts_every_workers_clients(instance: Bouncer) -> None:
         # Both workers have some (all 16 on one: odds of 2 in 65536).
         assert {r["ptr"].split(".")[0] for r in clients} == {"w0", "w1"}
         assert sorted(r["port"] for r in clients) == sorted(map(local_port, conns))
+        # The log says which worker a connection event is about (ids repeat across workers).
+        assert {"0", "1"} <= set(re.findall(r"client login .*worker=(\d)", instance.output()))
         every = show(instance, "SOCKETS")
         # Ids are instance-wide (clients and servers are numbered apart, as before).
         assert len({(r["type"], r["id"]) for r in every}) == len(every)
