@@ -41,11 +41,12 @@ __all__ = ["answer_for_instance"]
 #: Seconds each worker gets for a SHOW, and for a command that does not wait.
 SHOW_TIMEOUT = 1.0
 COMMAND_TIMEOUT = 10.0
-#: Commands that wait for the pools (PAUSE, SUSPEND, WAIT_CLOSE, SHUTDOWN
-#: WAIT_FOR_*): as long as they take, as in PgBouncer.
+#: Commands that wait for the pools (PAUSE, SUSPEND, WAIT_CLOSE): as long as
+#: they take, as in PgBouncer.
 WAITING_TIMEOUT = 24 * 3600.0
-_WAITING = frozenset({"pause", "suspend", "wait_close", "shutdown"})
-#: An immediate SHUTDOWN: how long the others get to take it before this one stops.
+_WAITING = frozenset({"pause", "suspend", "wait_close"})
+#: SHUTDOWN: how long the others get to take it before this one runs it (an
+#: immediate one answers nobody; WAIT_FOR_* answer at once).
 SHUTDOWN_GRACE = 2.0
 
 
@@ -54,7 +55,7 @@ class Route(enum.Enum):
     SHOW = "show"  # every worker's rows, merged
     EVERYWHERE = "everywhere"  # a command every worker runs
     OWNER = "owner"  # KILL_CLIENT: the worker that owns the id
-    STOP = "stop"  # an immediate SHUTDOWN: the others first
+    STOP = "stop"  # SHUTDOWN: the others first (this one may stop before it could answer)
 
 
 def route(command: str, arg: str) -> Route:
@@ -64,7 +65,7 @@ def route(command: str, arg: str) -> Route:
         return Route.SHOW if arg.lower() in MERGERS else Route.HERE
     if command == "kill_client":
         return Route.OWNER
-    if command == "shutdown" and not arg:
+    if command == "shutdown":
         return Route.STOP
     return Route.EVERYWHERE
 

@@ -213,6 +213,30 @@ def test_a_stopped_worker_is_left_out_with_a_notice(instance: Bouncer) -> None:
         os.kill(worker_1, signal.SIGCONT)
 
 
+COMMANDS = [
+    ("RECONNECT", "RECONNECT"), ("RECONNECT app", "RECONNECT"), ("WAIT_CLOSE", "WAIT_CLOSE"),
+    ("KILL app", "KILL"), ("RESUME app", "RESUME"), ("DISABLE app", "DISABLE"),
+    ("ENABLE app", "ENABLE"), ("SUSPEND", "SUSPEND"), ("RESUME", "RESUME"),
+    ("SET default_pool_size = 6", "SET default_pool_size=6"), ("RELOAD", "RELOAD"),
+    ("SET client_encoding = 'UTF8'", "SET"), ("SHOW HELP", "SHOW"),
+]  # fmt: skip
+
+
+def test_every_command_answers_for_the_instance(instance: Bouncer) -> None:
+    with app_clients(instance, 6):
+        for sql, status in COMMANDS:
+            assert instance.admin(sql)[2] == status, sql
+        assert pool_size(instance) == 6  # the SET, on both workers (3 + 3)
+        assert instance.admin("PAUSE nosuchdb")[1:] == ("08P01", "no such database: nosuchdb")
+        stats = {"user": "stats", "password": "stats_pass"}
+        assert show(instance, "POOLS", **stats)
+        assert instance.admin("PAUSE", **stats)[1:] == ("08P01", "admin access needed")
+        # It answers, though the worker it ran on may have no client to wait for.
+        assert instance.admin("SHUTDOWN WAIT_FOR_CLIENTS")[2] == "SHUTDOWN"
+    assert instance.proc is not None
+    assert instance.proc.wait(15) == 0  # once the clients left
+
+
 def test_shutdown_stops_the_instance(instance: Bouncer) -> None:
     with instance.connect("admin", "admin_pass", "pgbouncer") as console:
         console.prepare_threshold = None
