@@ -28,6 +28,9 @@ import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
+# (Loaded with the console, before scry-pgbouncer switches user: the interpreter's
+# files may be unreadable after that, as are the admin API's, which this uses.)
+from scry.adminapi.instance import Instance
 from scry.log import event
 from scry.pgbouncer.merge import MERGERS, local_id, merge_show, parse_answer
 from scry.pgbouncer.results import READY, error
@@ -130,8 +133,6 @@ async def _ask(
 ) -> tuple[dict[int, bytes], dict[int, str]]:
     """Each worker's answer to its statement, and why each worker that
     gave none did not (over the peering sockets: scry.adminapi.instance)."""
-    from scry.adminapi.instance import Instance  # (the console loads without the admin API)
-
     requests = {
         worker: {"view": "console", "sql": sql, "user": console.user, "admin": console.admin}
         for worker, sql in statements.items()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import pwd
 import re
 import signal
 import socket
@@ -248,6 +249,33 @@ def test_shutdown_stops_the_instance(instance: Bouncer) -> None:
     log = instance.output()
     assert "worker exited worker=0 exit_code=0" in log
     assert "worker exited worker=1 exit_code=0" in log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_workers_that_switched_user_still_answer_the_console(
+    pg: DevCluster, wait_until: Callable[..., Any]
+) -> None:
+    """Started as root with ``user = postgres``: each worker switches after
+    loading what the console uses (the interpreter's own files may be out of
+    postgres's reach, as this machine's are)."""
+    with bouncer_dir() as directory:
+        bouncer = Bouncer("scry", pg, directory)
+        bouncer.write_ini("user = postgres\n")
+        bouncer.ini.write_text(bouncer.ini.read_text() + WORKERS)
+        bouncer.start()
+        try:
+            wait_workers(bouncer, wait_until)
+            postgres = pwd.getpwnam("postgres").pw_uid
+            assert bouncer.proc is not None
+            for worker in (0, 1):
+                status = Path(f"/proc/{worker_pid(bouncer, worker)}/status").read_text()
+                assert f"Uid:\t{postgres}\t" in status
+            with app_clients(bouncer, 4):
+                for _ in range(6):  # (sessions on either worker)
+                    assert pool(bouncer)["cl_active"] == 4
+            assert "console command failed" not in bouncer.output()
+        finally:
+            bouncer.stop()
 
 
 def test_scry_serve_workers_and_sighup(pg: DevCluster, wait_until: Callable[..., Any]) -> None:
