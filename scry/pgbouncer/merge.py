@@ -215,19 +215,20 @@ def _lists(columns: Columns, answers: Mapping[int, Answer], workers: int) -> Row
     return [[name, str(sum(v) if name in _LIST_COUNTS else max(v))] for name, v in merged.items()]
 
 
-# SHOW TOTALS: name/value rows; its times per query or transaction are
-# weighted by the workers' rates, as SHOW TOTALS weighs them over databases.
-_TOTALS_WEIGHTS = {"avg_xact_time": "avg_xact_count", "avg_query_time": "avg_query_count",
-                   "avg_wait_time": "avg_query_count"}  # fmt: skip
+#: SHOW STATS' and TOTALS' times per transaction or query, and the rate
+#: that weighs each worker's (as SHOW TOTALS weighs them over databases).
+_RATE_OF = {"avg_xact_time": "avg_xact_count", "avg_query_time": "avg_query_count",
+            "avg_wait_time": "avg_query_count"}  # fmt: skip
 
 
 def _totals(columns: Columns, answers: Mapping[int, Answer], workers: int) -> Rows:
+    """SHOW TOTALS: name/value rows, added up but for the weighted times."""
     per_worker = [{name: _number(value) or 0 for name, value in a.rows} for a in answers.values()]
     names = [name for name, _value in next(iter(answers.values())).rows]
     rows: Rows = []
     for name in names:
         values = [w.get(name, 0) for w in per_worker]
-        weight_name = _TOTALS_WEIGHTS.get(name)  # type: ignore[arg-type]
+        weight_name = _RATE_OF.get(name or "")
         if weight_name is None:
             rows.append([name, _text(sum(values))])
             continue
@@ -257,8 +258,6 @@ def _fingerprints(columns: Columns, answers: Mapping[int, Answer], workers: int)
 
 _Merger = Callable[[Columns, Mapping[int, Answer], int], Rows]
 
-_STATS_WEIGHTS = {"avg_xact_time": "avg_xact_count", "avg_query_time": "avg_query_count",
-                  "avg_wait_time": "avg_query_count"}  # fmt: skip
 _AVERAGES_WEIGHTS = {"xact_time": "xact_count", "query_time": "query_count",
                      "wait_time": "query_count"}  # fmt: skip
 
@@ -281,7 +280,7 @@ MERGERS: dict[str, _Merger] = {
     ),
     "users": Keyed(("name",)),
     "lists": _lists,
-    "stats": Keyed(("database",), weighted=_STATS_WEIGHTS),
+    "stats": Keyed(("database",), weighted=_RATE_OF),
     "stats_totals": Keyed(("database",)),
     "stats_averages": Keyed(("database",), weighted=_AVERAGES_WEIGHTS),
     "totals": _totals,
