@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scry.pgbouncer.merge import instance_id, local_id, merge_show, parse_answer
 from scry.pgbouncer.results import INT4, NUMERIC, TEXT, error, result
@@ -150,3 +152,36 @@ def test_a_worker_answering_otherwise_is_left_out(other: str) -> None:
         theirs = error("boom")
     answer = merge_show("pools", {0: mine, 1: theirs}, own=0, workers=2)
     assert rows_of(answer) == [["app", "app", "2"]]
+
+
+_POOL_COLUMNS = [("database", T), ("user", T), ("cl_active", INT), ("maxwait", INT),
+                 ("maxwait_us", INT), ("pool_mode", T)]  # fmt: skip
+_pool_rows = st.lists(
+    st.tuples(
+        st.sampled_from(["app", "b", "pgbouncer"]), st.sampled_from(["app", "u"]),
+        st.integers(0, 500), st.integers(0, 100), st.integers(0, 999_999),
+    ),
+    max_size=6,
+    unique_by=lambda row: row[:2],
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_pool_rows, min_size=1, max_size=4))
+def test_pools_merge_to_the_sums_and_the_longest_wait(per_worker: list[list[tuple]]) -> None:
+    rows = [[[*row, "transaction"] for row in worker] for worker in per_worker]
+    out = merged("pools", _POOL_COLUMNS, *rows)
+    if len(rows) == 1:
+        assert out == [[str(v) for v in row] for row in rows[0]]  # one worker: its answer
+    by_key = {(r[0], r[1]): r for r in out}
+    assert len(by_key) == len(out)  # one row per pool
+    actives: dict[tuple[str, str], list[int]] = {}
+    waits: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for worker in per_worker:
+        for db, user, active, wait_s, wait_us in worker:
+            actives.setdefault((db, user), []).append(active)
+            waits.setdefault((db, user), []).append((wait_s, wait_us))
+    assert set(by_key) == set(actives)
+    for key, row in by_key.items():
+        assert int(row[2]) == sum(actives[key])
+        assert (int(row[3]), int(row[4])) == max(waits[key])
