@@ -450,6 +450,13 @@ class Peering:
                     await stream_tail(self.proxy, message, reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, KeyError) as exc:
             event("bad message on the peering socket", logging.WARNING, error=repr(exc))
+        except asyncio.CancelledError:
+            # This process is stopping with a request still in hand (a cancel
+            # awaiting PostgreSQL, a console PAUSE): the asker sees the close.
+            # Not re-raised: Python 3.11's asyncio.streams asks a cancelled
+            # handler's task for its exception, which raises, and the loop
+            # then logs a traceback.
+            pass
         finally:
             writer.close()
 
