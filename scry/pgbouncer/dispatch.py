@@ -99,7 +99,8 @@ class AdminConsole:
         try:
             return self._dispatch(sql)
         except ConsoleError as exc:
-            event("console error", logging.WARNING, user=self.user, error=str(exc))
+            if not self.local:  # (the worker that asked logs it, once)
+                event("console error", logging.WARNING, user=self.user, error=str(exc))
             return error(str(exc)) + READY
 
     def _dispatch(self, sql: str) -> bytes | Awaitable[bytes]:

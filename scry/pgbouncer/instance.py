@@ -106,12 +106,14 @@ async def answer_for_instance(console: AdminConsole, sql: str, where: Route, arg
     if not done:
         return _notices(missing) + answers[me]  # refused everywhere: one error
     # Refused by some: their state differed (a worker restarted since a PAUSE...).
-    refusals = b"".join(
-        m.notice_response(f"worker {w}: {error.get('M', 'error')}")
-        for w, error in sorted(errors.items())
-        if error is not None
-    )
-    return _notices(missing) + refusals + answers[me if me in done else done[0]]
+    refusals = []
+    for worker, refusal in sorted(errors.items()):
+        if refusal is not None:
+            text = f"worker {worker}: {refusal.get('M', 'error')}"
+            if worker != me:  # (this one's refusal is logged as a console error already)
+                event("console command refused by a worker", logging.WARNING, error=text)
+            refusals.append(m.notice_response(text))
+    return _notices(missing) + b"".join(refusals) + answers[me if me in done else done[0]]
 
 
 async def _kill_client(console: AdminConsole, sql: str, arg: str) -> bytes:

@@ -188,6 +188,7 @@ def test_resume_after_a_worker_restarted_resumes_the_rest(
         )
         assert console.execute("RESUME", prepare=False).statusmessage == "RESUME"
         assert notices == ["worker 1: pooler is not paused/suspended"]
+        assert "console command refused by a worker" in instance.output()
     with instance.connect() as conn:  # (on either worker)
         assert conn.execute("select 1").fetchone() == (1,)
     assert dict((r["key"], r["value"]) for r in show(instance, "STATE"))["paused"] == "no"
@@ -229,6 +230,7 @@ def test_every_command_answers_for_the_instance(instance: Bouncer) -> None:
             assert instance.admin(sql)[2] == status, sql
         assert pool_size(instance) == 6  # the SET, on both workers (3 + 3)
         assert instance.admin("PAUSE nosuchdb")[1:] == ("08P01", "no such database: nosuchdb")
+        assert instance.output().count('error="no such database: nosuchdb"') == 1  # logged once
         stats = {"user": "stats", "password": "stats_pass"}
         assert show(instance, "POOLS", **stats)
         assert instance.admin("PAUSE", **stats)[1:] == ("08P01", "admin access needed")
