@@ -280,6 +280,39 @@ def test_workers_that_switched_user_still_answer_the_console(
             bouncer.stop()
 
 
+def test_replace_hands_the_port_to_a_new_instance(
+    instance: Bouncer, wait_until: Callable[..., Any]
+) -> None:
+    """``--replace``: a new instance of two workers takes the listening
+    sockets over; the old one serves its clients until they leave, then exits."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SCRY_")}
+    log = instance.dir / "new.out"
+    with open(log, "ab") as out, app_clients(instance, 4) as old:
+        new_instance = subprocess.Popen(
+            [sys.executable, "-m", "scry.pgbouncer.cli", "--replace", str(instance.ini)],
+            cwd=REPO, env={**env, "SCRY_ADMIN__ENABLED": "false"}, stdout=out, stderr=out,
+        )  # fmt: skip
+        try:
+            wait_until(
+                lambda: set(re.findall(r"listening .*worker=(\d)", log.read_text())) == {"0", "1"},
+                15,
+                what="the new instance's workers listening",
+            )
+            with app_clients(instance, 4):
+                for conn in old:
+                    assert conn.execute("select 1").fetchone() == (1,)
+                # The console is the new instance's: only the new clients.
+                assert len([r for r in show(instance, "CLIENTS") if r["database"] == "app"]) == 4
+                assert instance.proc is not None and instance.proc.poll() is None
+            for conn in old:
+                conn.close()
+            assert instance.proc.wait(15) == 0  # once its clients left
+            assert (instance.dir / f".s.PGSQL.{instance.port}").exists()  # (the new one's now)
+        finally:
+            new_instance.send_signal(signal.SIGINT)
+            assert new_instance.wait(15) == 0
+
+
 def test_scry_serve_workers_and_sighup(pg: DevCluster, wait_until: Callable[..., Any]) -> None:
     """``scry serve --pgbouncer-config --workers 2``; a SIGHUP to the
     supervisor re-reads the ini in every worker."""
