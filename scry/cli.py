@@ -122,6 +122,7 @@ def serve(
     instance: Annotated[
         int | None, typer.Option("--instance", min=1, hidden=True, show_default=False)
     ] = None,
+    restarted: Annotated[bool, typer.Option("--restarted", hidden=True)] = False,
 ) -> None:
     """Run the proxy in the foreground; logs go to stderr."""
     if pgbouncer_config is not None:
@@ -133,7 +134,9 @@ def serve(
     from scry.workers import WorkerIdentity, resolve_workers, run_worker
 
     if worker_id is not None:  # started by the supervisor (scry.workers)
-        ident = WorkerIdentity(worker_id, workers or 1, instance or os.getppid(), replace)
+        ident = WorkerIdentity(
+            worker_id, workers or 1, instance or os.getppid(), replace, restarted=restarted
+        )
         raise typer.Exit(run_worker(cfg, config_path, ident))
     try:
         resolve_workers(cfg)  # a budget that cannot be divided is a config error

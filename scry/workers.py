@@ -85,6 +85,8 @@ class WorkerIdentity:
     replace: bool = False
     #: The instance's random anonymization key, used when the config sets none.
     instance_key: str | None = field(default=None, repr=False)
+    #: Started again by the supervisor (the one before died).
+    restarted: bool = False
 
     def share_of(self, config: Config) -> Config:
         """``config`` with this worker's share of every fleet budget."""
@@ -235,7 +237,8 @@ def worker_arguments(identity: WorkerIdentity) -> list[str]:
     """The options telling a process started by the supervisor who it is."""
     args = ["--workers", str(identity.workers), "--worker-id", str(identity.worker_id)]
     args += ["--instance", str(identity.instance)]
-    return args + (["--replace"] if identity.replace else [])
+    args += ["--replace"] if identity.replace else []
+    return args + (["--restarted"] if identity.restarted else [])
 
 
 @dataclass
@@ -281,8 +284,9 @@ class Supervisor:
 
     def command(self, worker: _Worker) -> list[str]:
         # Only the first generation takes over the old instance (--replace).
+        first = worker.generation == 1
         identity = WorkerIdentity(worker.worker_id, len(self.workers), self.instance,
-                                  self.replace and worker.generation == 1)  # fmt: skip
+                                  self.replace and first, restarted=not first)  # fmt: skip
         return self._command(identity)
 
     def _serve_command(self, identity: WorkerIdentity) -> list[str]:

@@ -24,6 +24,7 @@ Views (NAME, parameters):
 ``reload``                 re-read the config file
 ``console``                a ``pgbouncer`` console statement: ``sql``, ``user``,
                            ``admin``; the answer's wire bytes as latin-1 text
+``console_state``          what the console's commands set (PAUSE, DISABLE, SET...)
 
 Every request carries a ``deadline`` (epoch seconds): a worker that reads it
 later (it was stopped or overloaded) drops it instead of acting on it.
@@ -261,6 +262,12 @@ async def console(proxy: Proxy, request: dict[str, Any]) -> str:
     return answer.decode("latin-1")
 
 
+def _console_state(proxy: Proxy) -> dict[str, Any]:
+    from scry.pgbouncer.instance import console_state
+
+    return console_state(proxy)
+
+
 _Handler = Callable[["Proxy", dict[str, Any]], Any]
 
 _VIEWS: dict[str, _Handler] = {
@@ -279,6 +286,7 @@ _VIEWS: dict[str, _Handler] = {
     "resume": lambda p, r: resume(p, r.get("database")),
     "reload": lambda p, r: reload(p),
     "console": console,
+    "console_state": lambda p, r: _console_state(p),
 }
 
 

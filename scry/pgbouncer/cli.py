@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker-id", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--instance", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--restarted", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -121,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         config = config.model_copy(update={"log": config.log.model_copy(update={"level": "debug"})})
     if args.worker_id is not None:  # the supervisor printed the warnings, and owns the pidfile
-        identity = WorkerIdentity(args.worker_id, args.workers, args.instance, args.replace)
+        identity = WorkerIdentity(
+            args.worker_id, args.workers, args.instance, args.replace, restarted=args.restarted
+        )
         _setup_logging(config, quiet=args.quiet, logfile=compat.logfile, owner=account)
         return run(config, warnings, account, verbose=args.verbose, identity=identity)
     for warning in warnings:
@@ -335,13 +338,27 @@ async def serve(  # type: ignore[no-untyped-def]
     loop.add_signal_handler(signal.SIGINT, stop, "SIGINT", False)
     loop.add_signal_handler(signal.SIGTERM, stop, "SIGTERM", True)
     loop.add_signal_handler(signal.SIGQUIT, stop, "SIGQUIT", False)
+    if identity.restarted:  # (after a crash: PAUSE, SET... as the other workers have them)
+        adopting = loop.create_task(_adopt_console_state(proxy))
     await proxy.wait_stopped()
+    if identity.restarted:
+        adopting.cancel()
     if proxy.admin is not None:
         await proxy.admin.stop()
     await proxy.observatory.stop()
     remove_unix_socket(proxy)  # PgBouncer removes its socket file at exit
     event("stopped")
     return 0
+
+
+async def _adopt_console_state(proxy) -> None:  # type: ignore[no-untyped-def]
+    from scry.pgbouncer.instance import adopt_console_state
+
+    try:
+        await adopt_console_state(proxy)
+    except Exception as exc:  # (an ini that no longer reads, a worker's odd answer)
+        event("could not take the console's state from the other workers", logging.ERROR,
+              error=repr(exc))  # fmt: skip
 
 
 async def _stop_when_no_clients(proxy) -> None:  # type: ignore[no-untyped-def]

@@ -26,20 +26,23 @@ import asyncio
 import enum
 import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # (Loaded with the console, before scry-pgbouncer switches user: the interpreter's
 # files may be unreadable after that, as are the admin API's, which this uses.)
 from scry.adminapi.instance import Instance
 from scry.log import event
+from scry.pgbouncer.commands import reload_pgbouncer_config
 from scry.pgbouncer.merge import MERGERS, local_id, merge_show, parse_answer
 from scry.pgbouncer.results import READY, error
+from scry.pgbouncer.state import state_for
 from scry.protocol import messages as m
 
 if TYPE_CHECKING:
     from scry.pgbouncer.dispatch import AdminConsole
+    from scry.proxy import Proxy
 
-__all__ = ["answer_for_instance"]
+__all__ = ["adopt_console_state", "answer_for_instance", "console_state"]
 
 #: Seconds each worker gets for a SHOW, and for a command that does not wait.
 SHOW_TIMEOUT = 1.0
@@ -157,3 +160,53 @@ def _notices(missing: dict[int, str]) -> bytes:
         event("console: a worker did not answer", logging.WARNING, worker=worker, error=why)
         out.append(m.notice_response(f"worker {worker} did not answer ({why}); left out"))
     return b"".join(out)
+
+
+# --------------------------------------------------------------------------- #
+# A worker (re)started into a running instance
+# --------------------------------------------------------------------------- #
+
+
+def console_state(proxy: Proxy) -> dict[str, Any]:
+    """What the console's commands have set on this worker (the ``console_state``
+    view of scry.adminapi.local)."""
+    st = state_for(proxy)
+    return {
+        "paused_all": st.paused_all, "paused": sorted(st.paused), "suspended": st.suspended,
+        "disabled": sorted(st.disabled), "overrides": dict(st.overrides),
+    }  # fmt: skip
+
+
+async def adopt_console_state(proxy: Proxy) -> None:
+    """In a worker the supervisor started again (the one before died): take
+    what the console set on the other workers (PAUSE, SUSPEND, DISABLE, SET),
+    so that it is in the instance's state, not the ini's."""
+    me = proxy.worker_id
+    others = {w: {"view": "console_state"} for w in range(proxy.identity.workers) if w != me}
+    gathered = await Instance(proxy).gather(others, SHOW_TIMEOUT)
+    if not gathered.answers:
+        return
+    worker, theirs = min(gathered.answers.items())
+    st = state_for(proxy)
+    settings = {k: v for k, v in theirs["overrides"].items() if st.overrides.get(k) != v}
+    flags = ("paused_all", "paused", "suspended", "disabled")
+    if not settings and not any(theirs[flag] for flag in flags):
+        return  # (nothing set there that is not set here)
+    if settings:
+        st.overrides.update(settings)
+        reload_pgbouncer_config(proxy)
+    st.disabled.update(theirs["disabled"])
+    st.suspended = st.suspended or theirs["suspended"]
+    pausing = []
+    if theirs["paused_all"]:
+        st.paused_all = True
+        pausing.append(None)
+    for database in theirs["paused"]:
+        st.paused.add(database)
+        pausing.append(database)
+    for database in pausing:
+        await proxy.pause(database)
+    event("took the console's state from another worker", worker_from=worker,
+          paused=theirs["paused_all"] or theirs["paused"] or False,
+          suspended=theirs["suspended"], disabled=theirs["disabled"],
+          set=sorted(settings))  # fmt: skip

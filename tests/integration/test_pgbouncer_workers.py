@@ -174,24 +174,44 @@ def test_pause_and_resume_reach_every_worker(
         assert instance.admin("RESUME")[1:] == ("08P01", "pooler is not paused/suspended")
 
 
-def test_resume_after_a_worker_restarted_resumes_the_rest(
+def test_a_restarted_worker_takes_the_instance_state(
     instance: Bouncer, wait_until: Callable[..., Any]
 ) -> None:
+    """A worker started again after a crash is paused, disabled and SET as
+    the console left the others, not as the ini says."""
     with console_over_unix(instance) as console:  # (worker 0's: it stays)
         notices = notices_of(console)
-        assert console.execute("PAUSE", prepare=False).statusmessage == "PAUSE"
+        for sql in ("SET default_pool_size = 6", "DISABLE forced", "PAUSE"):
+            console.execute(sql, prepare=False)
         os.kill(worker_pid(instance, 1), signal.SIGKILL)
         wait_until(
-            lambda: len(re.findall(r"listening .*worker=1", instance.output())) == 2,
+            lambda: "took the console's state from another worker" in instance.output(),
             15,
-            what="worker 1 started again",
+            what="worker 1 started again, in the instance's state",
         )
+        assert pool_size(instance) == 6  # 3 + 3, not 3 + 2 from the ini
+        for _ in range(8):  # (on either worker)
+            with pytest.raises(psycopg.OperationalError, match="does not allow connections"):
+                instance.connect(dbname="forced")
         assert console.execute("RESUME", prepare=False).statusmessage == "RESUME"
-        assert notices == ["worker 1: pooler is not paused/suspended"]
-        assert "console command refused by a worker" in instance.output()
-    with instance.connect() as conn:  # (on either worker)
+        assert notices == []  # both were paused
+    with instance.connect() as conn:
         assert conn.execute("select 1").fetchone() == (1,)
-    assert dict((r["key"], r["value"]) for r in show(instance, "STATE"))["paused"] == "no"
+
+
+def test_a_command_refused_by_some_workers_says_so(
+    instance: Bouncer, wait_until: Callable[..., Any]
+) -> None:
+    os.kill(worker_pid(instance, 1), signal.SIGUSR1)  # PAUSE, on worker 1 alone
+    wait_until(lambda: re.search(r"\bpaused database=\* worker=1", instance.output()), 10)
+    with console_over_unix(instance) as console:  # (worker 0's)
+        notices = notices_of(console)
+        assert console.execute("RESUME", prepare=False).statusmessage == "RESUME"
+        assert notices == ["worker 0: pooler is not paused/suspended"]
+    with pytest.raises(psycopg.errors.ProtocolViolation, match="not paused"):
+        console_over_unix(instance).execute("RESUME")  # (now nobody is)
+    with instance.connect() as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
 
 
 def worker_pid(bouncer: Bouncer, worker: int) -> int:
