@@ -11,13 +11,15 @@ would:
 * commands (PAUSE, RESUME, RELOAD, SET, KILL, SHUTDOWN...) run on every
   worker, and the answer comes when all have answered (a PAUSE, when every
   worker's servers are released). Refused everywhere, the answer is the
-  error; refused by some (a worker restarted since a PAUSE is not paused),
+  error; refused by some (one worker alone was paused by a SIGUSR1),
   it is the success, with a NOTICE naming each refusal;
 * KILL_CLIENT goes to the worker that owns the id (ids are instance-wide:
   scry.pgbouncer.merge.instance_id).
 
 A worker that does not answer in time is left out and named in a notice;
-the session never hangs on a sick worker for a SHOW.
+the session never hangs on a sick worker for a SHOW. A worker the supervisor
+starts again after a crash takes what the console set from the others
+(:func:`adopt_console_state`).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ async def answer_for_instance(console: AdminConsole, sql: str, where: Route, arg
     done = [w for w in sorted(answers) if errors[w] is None]
     if not done:
         return _notices(missing) + answers[me]  # refused everywhere: one error
-    # Refused by some: their state differed (a worker restarted since a PAUSE...).
+    # Refused by some: their state differed (a signal to one worker alone...).
     refusals = []
     for worker, refusal in sorted(errors.items()):
         if refusal is not None:
