@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+from scry.adminapi.fleet import qualify
 from scry.pgbouncer.results import ADMIN_DB, TEXT, result
 from scry.protocol import messages as m
 from scry.protocol.framing import MessageReader
@@ -193,7 +194,7 @@ def _connections(columns: Columns, answers: Mapping[int, Answer], workers: int) 
                     row[i] = str(instance_id(int(row[i]), worker, workers))
             for i in pointers:
                 if row[i]:
-                    row[i] = f"w{worker}.{row[i]}"
+                    row[i] = qualify(worker, row[i])
             rows.append(row)
     if numbers:
         first = numbers[0]
