@@ -338,10 +338,10 @@ async def serve(  # type: ignore[no-untyped-def]
     loop.add_signal_handler(signal.SIGINT, stop, "SIGINT", False)
     loop.add_signal_handler(signal.SIGTERM, stop, "SIGTERM", True)
     loop.add_signal_handler(signal.SIGQUIT, stop, "SIGQUIT", False)
-    if identity.restarted:  # (after a crash: PAUSE, SET... as the other workers have them)
-        adopting = loop.create_task(_adopt_console_state(proxy))
+    # Started again after a crash: PAUSE, SET... as the other workers have them.
+    adopting = loop.create_task(_adopt_console_state(proxy)) if identity.restarted else None
     await proxy.wait_stopped()
-    if identity.restarted:
+    if adopting is not None:
         adopting.cancel()
     if proxy.admin is not None:
         await proxy.admin.stop()
