@@ -260,12 +260,17 @@ class Peering:
             event("took over listening sockets", sockets=len(taken))
         return taken
 
+    def locate(self, port: int) -> Path:
+        """The directory of this instance's peering sockets (made if missing);
+        known before ``start`` to a worker that asks the others first."""
+        if self.dir is None:
+            self.dir = _private_dir(runtime_root(port) / str(self.identity.instance))
+        return self.dir
+
     async def start(self) -> None:
         """Listen on this worker's Unix socket (after the TCP listener is up)."""
-        port = self.proxy.listen_port
         try:
-            self.dir = _private_dir(runtime_root(port) / str(self.identity.instance))
-            path = self.dir / f"w{self.worker_id}.sock"
+            path = self.locate(self.proxy.listen_port) / f"w{self.worker_id}.sock"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             self._server = await asyncio.start_unix_server(self._on_connection, str(path))

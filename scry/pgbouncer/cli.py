@@ -309,6 +309,11 @@ async def serve(  # type: ignore[no-untyped-def]
     loop.add_signal_handler(signal.SIGHUP, reload)
     loop.add_signal_handler(signal.SIGUSR1, pause)
     loop.add_signal_handler(signal.SIGUSR2, resume_all, proxy)  # from PAUSE or SUSPEND
+    if identity.restarted:
+        # Started again after a crash: PAUSE, SET... as the other workers have
+        # them, before the port is shared with them again (it is theirs alone
+        # until then), so no client is served in the ini's state.
+        await _adopt_console_state(proxy)
     try:
         await proxy.start()
     except OSError as exc:
@@ -338,11 +343,7 @@ async def serve(  # type: ignore[no-untyped-def]
     loop.add_signal_handler(signal.SIGINT, stop, "SIGINT", False)
     loop.add_signal_handler(signal.SIGTERM, stop, "SIGTERM", True)
     loop.add_signal_handler(signal.SIGQUIT, stop, "SIGQUIT", False)
-    # Started again after a crash: PAUSE, SET... as the other workers have them.
-    adopting = loop.create_task(_adopt_console_state(proxy)) if identity.restarted else None
     await proxy.wait_stopped()
-    if adopting is not None:
-        adopting.cancel()
     if proxy.admin is not None:
         await proxy.admin.stop()
     await proxy.observatory.stop()

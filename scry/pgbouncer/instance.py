@@ -184,9 +184,13 @@ async def adopt_console_state(proxy: Proxy) -> None:
     what the console set on the other workers (PAUSE, SUSPEND, DISABLE, SET),
     so that it is in the instance's state, not the ini's."""
     me = proxy.worker_id
+    proxy.peering.locate(proxy.config.listen_host_port[1])  # (called before it listens)
     others = {w: {"view": "console_state"} for w in range(proxy.identity.workers) if w != me}
     gathered = await Instance(proxy).gather(others, SHOW_TIMEOUT)
     if not gathered.answers:
+        why = dict(gathered.missing) | {w: e.message for w, e in gathered.errors.items()}
+        event("no other worker said the console's state; starting with the ini's",
+              logging.WARNING, missing=why)  # fmt: skip
         return
     worker, theirs = min(gathered.answers.items())
     st = state_for(proxy)

@@ -185,10 +185,18 @@ def test_a_restarted_worker_takes_the_instance_state(
             console.execute(sql, prepare=False)
         os.kill(worker_pid(instance, 1), signal.SIGKILL)
         wait_until(
-            lambda: "took the console's state from another worker" in instance.output(),
+            lambda: len(re.findall(r"listening .*worker=1", instance.output())) == 2,
             15,
-            what="worker 1 started again, in the instance's state",
+            what="worker 1 started again",
         )
+        # It took the state before it shared the port again: no client of
+        # its came in while it was in the ini's state.
+        restarted = instance.output().split("\n")
+        took = next(i for i, line in enumerate(restarted) if "took the console's state" in line)
+        listening = [
+            i for i, line in enumerate(restarted) if re.search("listening .*worker=1", line)
+        ]
+        assert listening[0] < took < listening[1]
         assert pool_size(instance) == 6  # 3 + 3, not 3 + 2 from the ini
         for _ in range(8):  # (on either worker)
             with pytest.raises(psycopg.OperationalError, match="does not allow connections"):
