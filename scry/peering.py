@@ -68,7 +68,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scry.breaker import CLOSED, OPEN, CircuitBreaker, Transition
+from scry.breaker import CLOSED, OPEN, BreakerState, CircuitBreaker, Transition
 from scry.config import split_host_port
 from scry.log import event
 from scry.protocol.startup import CANCEL_REQUEST_CODE, cancel_request
@@ -372,21 +372,24 @@ class Peering:
             or transition.from_state is transition.to_state
         ):
             return
-        message = {
-            "op": "breaker",
-            "db": breaker.name,
-            "state": str(transition.to_state),
-            "held": breaker.held,
-            "gone": breaker.opened_on_gone,
-            "reason": transition.reason,
-            "worker": self.worker_id,
-        }
+        message = self.breaker_message(breaker, transition.to_state, transition.reason)
         payload = b"J" + json.dumps(message).encode() + b"\n"
         for path in self.dir.glob("w*.sock"):
             if path != self.socket_path:
                 self._spawn(_send_unix(path, payload))
 
-    def _apply_breaker(self, message: dict[str, Any]) -> None:
+    def breaker_message(
+        self, breaker: CircuitBreaker, state: BreakerState, reason: str
+    ) -> dict[str, Any]:
+        """What this worker tells the others of a breaker (``apply_breaker``)."""
+        return {
+            "op": "breaker", "db": breaker.name, "state": str(state), "held": breaker.held,
+            "gone": breaker.opened_on_gone, "reason": reason, "worker": self.worker_id,
+        }  # fmt: skip
+
+    def apply_breaker(self, message: dict[str, Any]) -> None:
+        """Another worker's breaker opened or closed: this one's does the same
+        (and tells nobody)."""
         breaker = self.proxy.breaker_for(str(message["db"]))
         reason = f"worker {message.get('worker')}: {message.get('reason', '')}"
         self._applying = True
@@ -441,7 +444,7 @@ class Peering:
                 message = json.loads(line)
                 op = message.get("op")
                 if op == "breaker":
-                    self._apply_breaker(message)
+                    self.apply_breaker(message)
                 elif op == "health":
                     self._apply_health(message)
                 elif op == "takeover":

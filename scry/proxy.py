@@ -538,7 +538,13 @@ class Proxy:
 
     @property
     def paused(self) -> bool:
-        return any(pool.paused for pool in self.pools.values())
+        """A PAUSE holds some database (its pools are made paused when they come)."""
+        return bool(self._paused_databases) or any(pool.paused for pool in self.pools.values())
+
+    @property
+    def paused_databases(self) -> set[str | None]:
+        """What PAUSE (or KILL) holds until RESUME: database names, None for every one."""
+        return set(self._paused_databases)
 
     def _check_health(self) -> None:
         if self.identity.workers > 1:
@@ -710,6 +716,10 @@ async def serve(
     loop.add_signal_handler(signal.SIGHUP, systemd.reload, proxy.reload)
     loop.add_signal_handler(signal.SIGUSR1, pause)
     loop.add_signal_handler(signal.SIGUSR2, proxy.resume)
+    if proxy.identity.restarted:  # paused, breakers held as the other workers have them
+        from scry.adminapi.rejoin import rejoin
+
+        await rejoin(proxy)
     try:
         await proxy.start()
     except OSError as exc:

@@ -262,6 +262,23 @@ async def console(proxy: Proxy, request: dict[str, Any]) -> str:
     return answer.decode("latin-1")
 
 
+#: ``instance_state``'s ``paused`` entry for a PAUSE of every database.
+EVERY_DATABASE = "*"
+
+
+def instance_state(proxy: Proxy) -> dict[str, Any]:
+    """What an operator set on this worker at run time, for a worker started
+    again (scry.adminapi.rejoin): paused databases, held breakers."""
+    return {
+        "paused": sorted(EVERY_DATABASE if db is None else db for db in proxy.paused_databases),
+        "held_breakers": [
+            proxy.peering.breaker_message(b, b.state, b.open_reason)
+            for b in proxy.breakers.values()
+            if b.held
+        ],
+    }
+
+
 def _console_state(proxy: Proxy) -> dict[str, Any]:
     from scry.pgbouncer.instance import console_state
 
@@ -287,6 +304,7 @@ _VIEWS: dict[str, _Handler] = {
     "reload": lambda p, r: reload(p),
     "console": console,
     "console_state": lambda p, r: _console_state(p),
+    "instance_state": lambda p, r: instance_state(p),
 }
 
 

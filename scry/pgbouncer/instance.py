@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 # (Loaded with the console, before scry-pgbouncer switches user: the interpreter's
 # files may be unreadable after that, as are the admin API's, which this uses.)
 from scry.adminapi.instance import Instance
+from scry.adminapi.local import instance_state
+from scry.adminapi.rejoin import ask_the_others, take_held_breakers
 from scry.log import event
 from scry.pgbouncer.commands import reload_pgbouncer_config
 from scry.pgbouncer.merge import MERGERS, local_id, merge_show, parse_answer
@@ -176,31 +178,28 @@ def console_state(proxy: Proxy) -> dict[str, Any]:
     return {
         "paused_all": st.paused_all, "paused": sorted(st.paused), "suspended": st.suspended,
         "disabled": sorted(st.disabled), "overrides": dict(st.overrides),
+        "held_breakers": instance_state(proxy)["held_breakers"],  # (the admin API's trips)
     }  # fmt: skip
 
 
 async def adopt_console_state(proxy: Proxy) -> None:
     """In a worker the supervisor started again (the one before died): take
-    what the console set on the other workers (PAUSE, SUSPEND, DISABLE, SET),
-    so that it is in the instance's state, not the ini's."""
-    me = proxy.worker_id
-    proxy.peering.locate(proxy.config.listen_host_port[1])  # (called before it listens)
-    others = {w: {"view": "console_state"} for w in range(proxy.identity.workers) if w != me}
-    gathered = await Instance(proxy).gather(others, SHOW_TIMEOUT)
-    if not gathered.answers:
-        why = dict(gathered.missing) | {w: e.message for w, e in gathered.errors.items()}
-        event("no other worker said the console's state; starting with the ini's",
-              logging.WARNING, missing=why)  # fmt: skip
+    what the console set on the other workers (PAUSE, SUSPEND, DISABLE, SET)
+    and the breakers the admin API holds open there, so that it is in the
+    instance's state, not the ini's."""
+    answer = await ask_the_others(proxy, {"view": "console_state"}, SHOW_TIMEOUT)
+    if answer is None:
         return
-    worker, theirs = min(gathered.answers.items())
+    worker, theirs = answer
     st = state_for(proxy)
     settings = {k: v for k, v in theirs["overrides"].items() if st.overrides.get(k) != v}
-    flags = ("paused_all", "paused", "suspended", "disabled")
+    flags = ("paused_all", "paused", "suspended", "disabled", "held_breakers")
     if not settings and not any(theirs[flag] for flag in flags):
         return  # (nothing set there that is not set here)
     if settings:
         st.overrides.update(settings)
         reload_pgbouncer_config(proxy)
+    take_held_breakers(proxy, theirs["held_breakers"])
     st.disabled.update(theirs["disabled"])
     st.suspended = st.suspended or theirs["suspended"]
     pausing = []
@@ -215,4 +214,4 @@ async def adopt_console_state(proxy: Proxy) -> None:
     event("took the console's state from another worker", worker_from=worker,
           paused=theirs["paused_all"] or theirs["paused"] or False,
           suspended=theirs["suspended"], disabled=theirs["disabled"],
-          set=sorted(settings))  # fmt: skip
+          set=sorted(settings), breakers_held=[b["db"] for b in theirs["held_breakers"]])  # fmt: skip

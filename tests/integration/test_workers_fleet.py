@@ -260,6 +260,57 @@ def test_breaker_open_on_one_worker_protects_all(scry_proxy, wait_until) -> None
     wait_until(lambda: set(outcomes()) == {"ok"}, 5, interval=0.1, what="every worker closed")
 
 
+def test_a_restarted_worker_is_paused_and_tripped_as_the_others(scry_proxy, wait_until) -> None:
+    """A worker started again after a crash asks the others before it listens:
+    paused, and with the breaker the operator holds open, not as the config says."""
+    import httpx
+
+    from admin.schemas import API_PREFIX
+
+    admin_port = free_port()
+    proxy = scry_proxy(
+        {
+            "workers": 2,
+            "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}", "token": "t0k"},
+        }
+    )
+    auth = {"Authorization": "Bearer t0k"}
+    wait_workers(proxy, 2, wait_until)
+    base = f"http://127.0.0.1:{admin_port}{API_PREFIX}"
+    httpx.post(f"{base}/breaker/trip", params={"database": "app"}, headers=auth).raise_for_status()
+    httpx.post(f"{base}/pause", params={"wait": 2}, headers=auth).raise_for_status()
+    victim = max(worker_pids(proxy.pid))  # (worker 0 serves the admin API: it stays)
+    assert f"pid={victim} worker=1" in proxy.log_text()
+    os.kill(victim, signal.SIGKILL)
+    wait_until(
+        lambda: len(re.findall(r"listening .*worker=1", proxy.log_text())) == 2,
+        15,
+        what="worker 1 started again",
+    )
+    lines = proxy.log_text().splitlines()
+    took = [i for i, line in enumerate(lines) if "took the instance's state" in line]
+    listening = [i for i, line in enumerate(lines) if re.search("listening .*worker=1", line)]
+    assert len(took) == 1 and listening[0] < took[0] < listening[1]  # before it listened
+    assert "paused=['*'] breakers_held=['app'] worker=1" in lines[took[0]]
+
+    def worker_1(view: str) -> dict:
+        answer = httpx.get(f"{base}/{view}", params={"worker": 1}, headers=auth)
+        answer.raise_for_status()
+        return answer.json()
+
+    assert worker_1("status")["paused"] is True
+    (app,) = [d for d in worker_1("breaker")["databases"] if d["database"] == "app"]
+    assert (app["breaker"]["state"], app["breaker"]["held"]) == ("open", True)
+    # Resumed and reset on every worker, the restarted one included.
+    httpx.post(f"{base}/resume", headers=auth).raise_for_status()
+    httpx.post(f"{base}/breaker/reset", params={"database": "app"}, headers=auth).raise_for_status()
+    # (A status is reused for up to STATUS_TTL: poll until a fresh one says so.)
+    wait_until(lambda: worker_1("status")["paused"] is False, 5, what="worker 1 resumed")
+    for _ in range(10):  # fresh connections: the kernel spreads them over the workers
+        with psycopg.connect(**proxy.conninfo(), autocommit=True) as conn:
+            assert conn.execute("select 1").fetchone() == (1,)
+
+
 def test_supervisor_forwards_sighup_and_sigterm(scry_proxy, wait_until) -> None:
     """SIGHUP reaches every worker (each reloads its share); SIGTERM drains them all."""
     proxy = scry_proxy({"workers": 2, "pool": {"size": 4}})

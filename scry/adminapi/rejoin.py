@@ -1,0 +1,70 @@
+"""A worker the supervisor started again takes the state its instance is in.
+
+A worker that died is started again (``--restarted``). Its config file says
+nothing of what an operator did to the running instance since: a PAUSE (the
+admin API's ``/pause``, SIGUSR1) or a manual breaker trip (``/breaker/trip``,
+held until a reset). Before it listens, and so before any client lands on
+it (until then the port is the other workers' alone), it asks the other
+workers over their peering sockets and does the same here.
+scry.pgbouncer.instance asks for the console's state (PAUSE, SUSPEND,
+DISABLE, SET, and held breakers) with :func:`ask_the_others` instead.
+
+A worker that finds nobody to ask logs a warning and starts as its config
+says; each question waits at most ``WORKER_TIMEOUT`` (1 s).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from scry.adminapi.instance import WORKER_TIMEOUT, Instance
+from scry.adminapi.local import EVERY_DATABASE
+from scry.log import event
+
+if TYPE_CHECKING:
+    from scry.proxy import Proxy
+
+__all__ = ["ask_the_others", "rejoin", "take_held_breakers"]
+
+
+async def ask_the_others(
+    proxy: Proxy, request: dict[str, Any], timeout: float = WORKER_TIMEOUT
+) -> tuple[int, Any] | None:
+    """The lowest-numbered other worker's answer to ``request``, asked before
+    this worker listens; None, said in a warning, if no other worker answered."""
+    proxy.peering.locate(proxy.config.listen_host_port[1])  # (its own socket comes later)
+    me = proxy.worker_id
+    others = {w: request for w in range(proxy.identity.workers) if w != me}
+    gathered = await Instance(proxy).gather(others, timeout)
+    if not gathered.answers:
+        why = dict(gathered.missing) | {w: e.message for w, e in gathered.errors.items()}
+        event("no other worker said the instance's state; starting as the config says",
+              logging.WARNING, missing=why)  # fmt: skip
+        return None
+    return min(gathered.answers.items())
+
+
+async def rejoin(proxy: Proxy) -> None:
+    """Take the other workers' paused databases and held breakers."""
+    try:
+        answer = await ask_the_others(proxy, {"view": "instance_state"})
+    except Exception as exc:  # (a worker's odd answer: start as the config says)
+        event("could not take the instance's state from the other workers", logging.ERROR,
+              error=repr(exc))  # fmt: skip
+        return
+    if answer is None:
+        return
+    worker, theirs = answer
+    for database in theirs["paused"]:
+        await proxy.pause(None if database == EVERY_DATABASE else database)
+    take_held_breakers(proxy, theirs["held_breakers"])
+    if theirs["paused"] or theirs["held_breakers"]:
+        event("took the instance's state from another worker", worker_from=worker,
+              paused=theirs["paused"], breakers_held=[m["db"] for m in theirs["held_breakers"]])  # fmt: skip
+
+
+def take_held_breakers(proxy: Proxy, messages: list[dict[str, Any]]) -> None:
+    """Open, and hold, the breakers another worker holds open (``instance_state``)."""
+    for message in messages:
+        proxy.peering.apply_breaker(message)
