@@ -12,10 +12,13 @@ import re
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import psycopg
 import pytest
 
+from admin.schemas import API_PREFIX
 from scry.config import load_config
 from scry.devcluster import free_port
 from scry.workers import resolve_workers, share, worker_config
@@ -90,6 +93,30 @@ def wait_workers(proxy, workers: int, wait_until) -> None:
 def worker_pids(supervisor_pid: int) -> set[int]:
     path = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children")
     return {int(p) for p in path.read_text().split()}
+
+
+@pytest.fixture
+def with_admin_api(scry_proxy, wait_until):
+    """``(workers) -> (proxy, client)``: that many workers listening, and a
+    client of their admin API (worker 0's)."""
+    clients: list[httpx.Client] = []
+
+    def start(workers: int) -> tuple[Any, httpx.Client]:
+        admin_port = free_port()
+        admin = {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}", "token": "t0k"}
+        proxy = scry_proxy({"workers": workers, "admin": admin})
+        wait_workers(proxy, workers, wait_until)
+        api = httpx.Client(
+            base_url=f"http://127.0.0.1:{admin_port}{API_PREFIX}",
+            headers={"Authorization": "Bearer t0k"},
+            timeout=10,
+        )
+        clients.append(api)
+        return proxy, api
+
+    yield start
+    for api in clients:
+        api.close()
 
 
 SERVERS_SQL = (
@@ -223,23 +250,9 @@ def test_killed_worker_is_replaced(scry_proxy, admin_dsn, wait_until) -> None:
 # --- shared breaker -----------------------------------------------------------------------
 
 
-def test_breaker_open_on_one_worker_protects_all(scry_proxy, wait_until) -> None:
+def test_breaker_open_on_one_worker_protects_all(with_admin_api, wait_until) -> None:
     """Worker 0 serves the admin API; a trip there opens every worker's breaker."""
-
-    import httpx
-
-    from admin.schemas import API_PREFIX
-
-    admin_port = free_port()
-    proxy = scry_proxy(
-        {
-            "workers": 4,
-            "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}", "token": "t0k"},
-        }
-    )
-    auth = {"Authorization": "Bearer t0k"}
-    wait_workers(proxy, 4, wait_until)
-    base = f"http://127.0.0.1:{admin_port}{API_PREFIX}"
+    proxy, api = with_admin_api(4)
 
     def outcomes() -> list[str]:
         result = []
@@ -253,32 +266,19 @@ def test_breaker_open_on_one_worker_protects_all(scry_proxy, wait_until) -> None
         return result
 
     assert set(outcomes()) == {"ok"}
-    httpx.post(f"{base}/breaker/trip", params={"database": "app"}, headers=auth).raise_for_status()
+    api.post("/breaker/trip", params={"database": "app"}).raise_for_status()
     wait_until(lambda: set(outcomes()) == {"57P03"}, 5, interval=0.1, what="every worker open")
     assert "worker 0: tripped via the admin API" in proxy.log_text()
-    httpx.post(f"{base}/breaker/reset", params={"database": "app"}, headers=auth).raise_for_status()
+    api.post("/breaker/reset", params={"database": "app"}).raise_for_status()
     wait_until(lambda: set(outcomes()) == {"ok"}, 5, interval=0.1, what="every worker closed")
 
 
-def test_a_restarted_worker_is_paused_and_tripped_as_the_others(scry_proxy, wait_until) -> None:
+def test_a_restarted_worker_is_paused_and_tripped_as_the_others(with_admin_api, wait_until) -> None:
     """A worker started again after a crash asks the others before it listens:
     paused, and with the breaker the operator holds open, not as the config says."""
-    import httpx
-
-    from admin.schemas import API_PREFIX
-
-    admin_port = free_port()
-    proxy = scry_proxy(
-        {
-            "workers": 2,
-            "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}", "token": "t0k"},
-        }
-    )
-    auth = {"Authorization": "Bearer t0k"}
-    wait_workers(proxy, 2, wait_until)
-    base = f"http://127.0.0.1:{admin_port}{API_PREFIX}"
-    httpx.post(f"{base}/breaker/trip", params={"database": "app"}, headers=auth).raise_for_status()
-    httpx.post(f"{base}/pause", params={"wait": 2}, headers=auth).raise_for_status()
+    proxy, api = with_admin_api(2)
+    api.post("/breaker/trip", params={"database": "app"}).raise_for_status()
+    api.post("/pause", params={"wait": 2}).raise_for_status()
     victim = max(worker_pids(proxy.pid))  # (worker 0 serves the admin API: it stays)
     assert f"pid={victim} worker=1" in proxy.log_text()
     os.kill(victim, signal.SIGKILL)
@@ -294,7 +294,7 @@ def test_a_restarted_worker_is_paused_and_tripped_as_the_others(scry_proxy, wait
     assert "paused=['*'] breakers_held=['app'] worker=1" in lines[took[0]]
 
     def worker_1(view: str) -> dict:
-        answer = httpx.get(f"{base}/{view}", params={"worker": 1}, headers=auth)
+        answer = api.get(f"/{view}", params={"worker": 1})
         answer.raise_for_status()
         return answer.json()
 
@@ -302,8 +302,8 @@ def test_a_restarted_worker_is_paused_and_tripped_as_the_others(scry_proxy, wait
     (app,) = [d for d in worker_1("breaker")["databases"] if d["database"] == "app"]
     assert (app["breaker"]["state"], app["breaker"]["held"]) == ("open", True)
     # Resumed and reset on every worker, the restarted one included.
-    httpx.post(f"{base}/resume", headers=auth).raise_for_status()
-    httpx.post(f"{base}/breaker/reset", params={"database": "app"}, headers=auth).raise_for_status()
+    api.post("/resume").raise_for_status()
+    api.post("/breaker/reset", params={"database": "app"}).raise_for_status()
     # (A status is reused for up to STATUS_TTL: poll until a fresh one says so.)
     wait_until(lambda: worker_1("status")["paused"] is False, 5, what="worker 1 resumed")
     for _ in range(10):  # fresh connections: the kernel spreads them over the workers
