@@ -48,20 +48,24 @@ async def ask_the_others(
 async def rejoin(proxy: Proxy) -> None:
     """Take the other workers' paused databases and held breakers."""
     try:
-        answer = await ask_the_others(proxy, {"view": "instance_state"})
+        await _take_state(proxy)
     except Exception as exc:  # (a worker's odd answer: start as the config says)
         event("could not take the instance's state from the other workers", logging.ERROR,
               error=repr(exc))  # fmt: skip
-        return
+
+
+async def _take_state(proxy: Proxy) -> None:
+    answer = await ask_the_others(proxy, {"view": "instance_state"})
     if answer is None:
         return
     worker, theirs = answer
-    for database in theirs["paused"]:
+    paused, held = theirs["paused"], theirs["held_breakers"]
+    for database in paused:
         await proxy.pause(None if database == EVERY_DATABASE else database)
-    take_held_breakers(proxy, theirs["held_breakers"])
-    if theirs["paused"] or theirs["held_breakers"]:
+    take_held_breakers(proxy, held)
+    if paused or held:
         event("took the instance's state from another worker", worker_from=worker,
-              paused=theirs["paused"], breakers_held=[m["db"] for m in theirs["held_breakers"]])  # fmt: skip
+              paused=paused, breakers_held=[m["db"] for m in held])  # fmt: skip
 
 
 def take_held_breakers(proxy: Proxy, messages: list[dict[str, Any]]) -> None:
