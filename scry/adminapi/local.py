@@ -25,6 +25,7 @@ Views (NAME, parameters):
 ``console``                a ``pgbouncer`` console statement: ``sql``, ``user``,
                            ``admin``; the answer's wire bytes as latin-1 text
 ``console_state``          what the console's commands set (PAUSE, DISABLE, SET...)
+``instance_state``         paused databases and held breakers (for a restarted worker)
 
 Every request carries a ``deadline`` (epoch seconds): a worker that reads it
 later (it was stopped or overloaded) drops it instead of acting on it.
@@ -271,12 +272,17 @@ def instance_state(proxy: Proxy) -> dict[str, Any]:
     again (scry.adminapi.rejoin): paused databases, held breakers."""
     return {
         "paused": sorted(EVERY_DATABASE if db is None else db for db in proxy.paused_databases),
-        "held_breakers": [
-            proxy.peering.breaker_message(b, b.state, b.open_reason)
-            for b in proxy.breakers.values()
-            if b.held
-        ],
+        "held_breakers": held_breakers(proxy),
     }
+
+
+def held_breakers(proxy: Proxy) -> list[dict[str, Any]]:
+    """The breakers held open by hand here, as peering messages (Peering.apply_breaker)."""
+    return [
+        proxy.peering.breaker_message(b, b.state, b.open_reason)
+        for b in proxy.breakers.values()
+        if b.held
+    ]
 
 
 def _console_state(proxy: Proxy) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 # (Loaded with the console, before scry-pgbouncer switches user: the interpreter's
 # files may be unreadable after that, as are the admin API's, which this uses.)
 from scry.adminapi.instance import Instance
-from scry.adminapi.local import instance_state
+from scry.adminapi.local import held_breakers
 from scry.adminapi.rejoin import ask_the_others, take_held_breakers
 from scry.log import event
 from scry.pgbouncer.commands import reload_pgbouncer_config
@@ -178,7 +178,7 @@ def console_state(proxy: Proxy) -> dict[str, Any]:
     return {
         "paused_all": st.paused_all, "paused": sorted(st.paused), "suspended": st.suspended,
         "disabled": sorted(st.disabled), "overrides": dict(st.overrides),
-        "held_breakers": instance_state(proxy)["held_breakers"],  # (the admin API's trips)
+        "held_breakers": held_breakers(proxy),  # (the admin API's trips)
     }  # fmt: skip
 
 
