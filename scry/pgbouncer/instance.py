@@ -7,7 +7,9 @@ would:
 
 * SHOW asks every worker over its peering socket (``{"op": "admin",
   "view": "console"}``, answered by each worker's own console) and merges
-  the rows (scry.pgbouncer.merge);
+  the rows (scry.pgbouncer.merge). SHOW FINGERPRINTS is the admin API's
+  ranking of the instance instead (scry.adminapi.instance): percentiles do
+  not add up from the workers' rows, their histograms do;
 * commands (PAUSE, RESUME, RELOAD, SET, KILL, SHUTDOWN...) run on every
   worker, and the answer comes when all have answered (a PAUSE, when every
   worker's servers are released). Refused everywhere, the answer is the
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 # (Loaded with the console, before scry-pgbouncer switches user: the interpreter's
 # files may be unreadable after that, as are the admin API's, which this uses.)
+from scry.adminapi.errors import ApiError
 from scry.adminapi.instance import Instance
 from scry.adminapi.local import held_breakers
 from scry.adminapi.rejoin import ask_the_others, take_held_breakers
@@ -40,6 +43,7 @@ from scry.pgbouncer.commands import reload_pgbouncer_config
 from scry.pgbouncer.merge import MERGERS, local_id, merge_show, parse_answer
 from scry.pgbouncer.results import READY, error
 from scry.pgbouncer.state import state_for
+from scry.pgbouncer.views import FINGERPRINTS_SHOWN, fingerprints_result
 from scry.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -55,6 +59,8 @@ COMMAND_TIMEOUT = 10.0
 #: they take, as in PgBouncer.
 WAITING_TIMEOUT = 24 * 3600.0
 _WAITING = frozenset({"pause", "suspend", "wait_close"})
+#: SHOWs made from the workers' merged statistics, not from their rows.
+_FROM_STATISTICS = frozenset({"fingerprints"})
 #: SHUTDOWN: how long the others get to take it before this one runs it (an
 #: immediate one answers nobody; WAIT_FOR_* answer at once).
 SHUTDOWN_GRACE = 2.0
@@ -72,7 +78,8 @@ def route(command: str, arg: str) -> Route:
     """Where ``command`` (a console statement's first word, lowercase; ``set``
     for ``SET key = value``) runs."""
     if command in ("show", "select"):
-        return Route.SHOW if arg.lower() in MERGERS else Route.HERE
+        view = arg.lower()
+        return Route.SHOW if view in MERGERS or view in _FROM_STATISTICS else Route.HERE
     if command == "kill_client":
         return Route.OWNER
     if command == "shutdown":
@@ -97,6 +104,8 @@ async def answer_for_instance(console: AdminConsole, sql: str, where: Route, arg
         assert isinstance(own, bytes)
         if parse_answer(own).error is not None:
             return own  # (an unknown view, or SHOW FDS for a stats user: the same everywhere)
+        if arg.lower() == "fingerprints":
+            return await _show_fingerprints(console)
         answers, missing = await _ask(console, dict.fromkeys(others, sql), SHOW_TIMEOUT)
         answers[me] = own
         return _notices(missing) + merge_show(arg.lower(), answers, me, console.workers)
@@ -121,6 +130,18 @@ async def answer_for_instance(console: AdminConsole, sql: str, where: Route, arg
                 event("console command refused by a worker", logging.WARNING, error=text)
             refusals.append(m.notice_response(text))
     return _notices(missing) + b"".join(refusals) + answers[me if me in done else done[0]]
+
+
+async def _show_fingerprints(console: AdminConsole) -> bytes:
+    """The instance's heaviest fingerprints, their p99 from the workers'
+    histograms added up (the largest worker's p99 would only bound it)."""
+    instance = Instance(console.proxy, SHOW_TIMEOUT)
+    try:
+        top = await instance.top(instance.scope(None), "total_time", FINGERPRINTS_SHOWN, None)
+    except ApiError as exc:  # (no worker answered, or one failed while asked for details)
+        return error(exc.message) + READY
+    missing = {gone.worker: gone.error for gone in top.fleet.missing} if top.fleet else {}
+    return _notices(missing) + fingerprints_result(q.model_dump() for q in top.queries)
 
 
 async def _kill_client(console: AdminConsole, sql: str, arg: str) -> bytes:

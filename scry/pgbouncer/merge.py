@@ -240,23 +240,6 @@ def _totals(columns: Columns, answers: Mapping[int, Answer], workers: int) -> Ro
     return rows
 
 
-_FINGERPRINTS = Keyed(("fingerprint",), most=frozenset({"p99_ms"}))
-_FINGERPRINTS_SHOWN = 50
-
-
-def _fingerprints(columns: Columns, answers: Mapping[int, Answer], workers: int) -> Rows:
-    """Calls, errors and time add up; the mean is recomputed; p99 is the
-    largest worker's (an upper bound: percentiles do not add)."""
-    rows = _FINGERPRINTS(columns, answers, workers)
-    index = {name: i for i, (name, _type) in enumerate(columns)}
-    calls, total, mean = index["calls"], index["total_ms"], index["mean_ms"]
-    for row in rows:
-        n, ms = _number(row[calls]) or 0, _number(row[total]) or 0
-        row[mean] = f"{Decimal(ms) / n:.3f}" if n else row[mean]
-    rows.sort(key=lambda row: -(_number(row[total]) or 0))
-    return rows[:_FINGERPRINTS_SHOWN]
-
-
 _Merger = Callable[[Columns, Mapping[int, Answer], int], Rows]
 
 _AVERAGES_WEIGHTS = {"xact_time": "xact_count", "query_time": "query_count",
@@ -296,7 +279,6 @@ MERGERS: dict[str, _Merger] = {
         most=frozenset({"failures"}),
         ranked={"state": ("closed", "half_open", "open")},
     ),  # fmt: skip
-    "fingerprints": _fingerprints,
 }
 
 

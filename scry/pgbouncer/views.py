@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
@@ -446,11 +446,21 @@ def show_breaker(console: AdminConsole) -> bytes:
     return result(columns, rows, "SHOW")
 
 
+#: Rows of SHOW FINGERPRINTS: the heaviest fingerprints by total time.
+FINGERPRINTS_SHOWN = 50
+
+
 def show_fingerprints(console: AdminConsole) -> bytes:
+    return fingerprints_result(console.proxy.observatory.top(limit=FINGERPRINTS_SHOWN))
+
+
+def fingerprints_result(ranking: Iterable[Mapping[str, Any]]) -> bytes:
+    """SHOW FINGERPRINTS of a ranking (Observatory.top's, or the instance's
+    merged one: scry.pgbouncer.instance)."""
     columns = [("fingerprint", _T), ("calls", INT8), ("errors", INT8), ("total_ms", _N),
                ("mean_ms", _N), ("p99_ms", _N), ("query", _T)]  # fmt: skip
     rows = []
-    for entry in console.proxy.observatory.top(limit=50):
+    for entry in ranking:
         rows.append([
             entry.get("fingerprint"), entry.get("calls"), entry.get("errors"),
             fmt3(entry.get("total_ms")), fmt3(entry.get("mean_ms")),

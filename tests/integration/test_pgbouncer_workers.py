@@ -134,6 +134,39 @@ def test_show_counts_every_workers_clients(instance: Bouncer) -> None:
             assert [r[names.index("ptr")][:4] for r in sessions] == ["w0.a"]
 
 
+def worker_of(conn: psycopg.Connection) -> int:
+    """The worker serving a client: its BackendKeyData pid says (scry.peering)."""
+    return (conn.info.backend_pid >> 11) & 63
+
+
+def test_show_fingerprints_takes_p99_from_every_workers_histogram(
+    instance: Bouncer, wait_until: Callable[..., Any]
+) -> None:
+    """One slow call on worker 0 and 150 fast ones of the same statement on
+    worker 1: the instance's p99 is a fast call. Worker 0's own p99, which
+    the largest-worker merge reported, is the slow one."""
+    conns: list[psycopg.Connection] = []
+    try:
+        by_worker: dict[int, psycopg.Connection] = {}
+        while len(by_worker) < 2 and len(conns) < 40:  # (40 all on one: 2 in 10^12)
+            conns.append(instance.connect())
+            by_worker.setdefault(worker_of(conns[-1]), conns[-1])
+        by_worker[0].execute("select pg_sleep(0.05)", prepare=False)
+        for _ in range(150):
+            by_worker[1].execute("select pg_sleep(0)", prepare=False)
+    finally:
+        for conn in conns:
+            conn.close()
+
+    def sleeps() -> dict[str, Any] | None:
+        rows = [r for r in show(instance, "FINGERPRINTS") if "pg_sleep" in r["query"]]
+        return rows[0] if rows and rows[0]["calls"] == 151 else None
+
+    row = wait_until(sleeps, 10, what="both workers' calls counted")
+    assert float(row["p99_ms"]) < 25
+    assert 50 / 151 <= float(row["mean_ms"]) < 25
+
+
 def test_kill_client_reaches_the_worker_that_owns_it(instance: Bouncer) -> None:
     with app_clients(instance, 12) as conns:
         by_port = {local_port(conn): conn for conn in conns}

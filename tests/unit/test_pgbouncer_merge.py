@@ -110,21 +110,6 @@ def test_connections_get_instance_wide_ids() -> None:
         assert instance_id(own, worker, 2) == number
 
 
-def test_fingerprints_recompute_the_mean_and_rank_again() -> None:
-    columns = [("fingerprint", T), ("calls", INT), ("errors", INT), ("total_ms", N),
-               ("mean_ms", N), ("p99_ms", N), ("query", T)]  # fmt: skip
-    rows = merged(
-        "fingerprints",
-        columns,
-        [["a", 2, 0, "10.000", "5.000", "6.000", "select 1"], ["b", 1, 0, "12.000", "12.000", "12.000", "select 2"]],
-        [["a", 6, 1, "20.000", "3.333", "9.500", "select 1"]],
-    )  # fmt: skip
-    assert rows == [
-        ["a", "8", "1", "30.000", "3.750", "9.500", "select 1"],
-        ["b", "1", "0", "12.000", "12.000", "12.000", "select 2"],
-    ]
-
-
 def test_breaker_shows_the_most_severe_state() -> None:
     columns = [("database", T), ("state", T), ("failures", INT), ("reason", T)]
     rows = merged(
