@@ -168,10 +168,19 @@ class AdminClient:
         return await self._get(BreakerList, f"{API_PREFIX}/breaker")
 
     async def top(
-        self, by: str = "total_time", limit: int = 50, window: float | None = None
+        self,
+        by: str = "total_time",
+        limit: int = 50,
+        window: float | None = None,
+        histogram: bool = False,
     ) -> TopQueries:
         return await self._get(
-            TopQueries, f"{API_PREFIX}/queries/top", by=by, limit=limit, window=window
+            TopQueries,
+            f"{API_PREFIX}/queries/top",
+            by=by,
+            limit=limit,
+            window=window,
+            histogram=True if histogram else None,  # (None: not sent, as to older proxies)
         )
 
     async def hot(self, limit: int = 50) -> HotData:

@@ -441,6 +441,15 @@ class TopQuery(Payload):
     total_ms_mean: float
     first_seen: float
     last_seen: float
+    histogram: list[tuple[float, int]] | None = Field(
+        None,
+        description=(
+            "With ?histogram=true: the latency histogram, [ms, count] per bucket, "
+            "ascending (each bucket as the value its percentiles take, within 1.6%). "
+            "Proxies bucket alike: add the counts of equal values to merge several "
+            "(admin.histograms)."
+        ),
+    )
 
 
 class TopQueries(Payload):
@@ -702,6 +711,12 @@ def openapi_document(version: str = "0") -> dict[str, Any]:
                     "query",
                     {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
                     "Seconds; since start when omitted.",
+                ),
+                _param(
+                    "histogram",
+                    "query",
+                    {"type": "boolean"},
+                    "Add each fingerprint's latency histogram (to merge several proxies').",
                 ),
             ],
             (400,),

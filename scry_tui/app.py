@@ -98,7 +98,8 @@ class ScryConsole(App[None]):
         self.initial_view = view
         self.current_view = view
         self.read_only = read_only
-        self.settings = PollSettings(interval=refresh)
+        # Several proxies: their rankings merge, and exact percentiles need histograms.
+        self.settings = PollSettings(interval=refresh, top_histograms=len(targets) > 1)
         self.clock: Clock = clock or SystemClock()
         self.tz = tz
         self.transport_factory = transport_factory

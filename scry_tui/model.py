@@ -22,6 +22,7 @@ from admin import (
     TopQueries,
     TopQuery,
 )
+from admin.histograms import add_histograms, percentiles
 
 HISTORY = 60  # points kept for sparklines
 
@@ -162,9 +163,11 @@ def merge_top(states: list[ProxyState], by: str) -> list[TopQuery]:
     """Merge the rankings of several proxies by fingerprint id, re-ranked by ``by``.
 
     Calls, errors, rows and total time add up; means are weighted by calls;
-    percentiles take the worst proxy's (an upper bound: percentiles do not add).
+    percentiles come from the proxies' histograms added up, or are the worst
+    proxy's (an upper bound) when a proxy sent none (one older than them).
     """
     merged: dict[str, dict[str, Any]] = {}
+    parts: dict[str, list[TopQuery]] = {}
     for state in states:
         if state.top is None or not state.up:
             continue
@@ -172,7 +175,9 @@ def merge_top(states: list[ProxyState], by: str) -> list[TopQuery]:
             m = merged.get(q.fingerprint)
             if m is None:
                 merged[q.fingerprint] = q.model_dump()
+                parts[q.fingerprint] = [q]
                 continue
+            parts[q.fingerprint].append(q)
             calls = m["calls"] + q.calls
             for mean in ("queue_ms_mean", "backend_ms_mean", "total_ms_mean"):
                 m[mean] = (
@@ -185,12 +190,34 @@ def merge_top(states: list[ProxyState], by: str) -> list[TopQuery]:
             for key in ("min_ms", "first_seen"):
                 m[key] = min(m[key], getattr(q, key))
             m["mean_ms"] = m["total_ms"] / calls if calls else 0.0
+    for fingerprint, same in parts.items():
+        if len(same) < 2:
+            continue
+        m = merged[fingerprint]
+        m["histogram"] = histogram = _added_histograms(same)
+        if histogram is not None:
+            m["p50_ms"], m["p95_ms"], m["p99_ms"] = percentiles(histogram, (0.5, 0.95, 0.99))
     total = sum(m["total_ms"] for m in merged.values())
     for m in merged.values():
         m["share"] = m["total_ms"] / total if total else 0.0
     queries = [TopQuery.model_validate(m) for m in merged.values()]
     queries.sort(key=lambda q: (-sort_value(q, by), q.fingerprint))
     return queries
+
+
+def _added_histograms(parts: list[TopQuery]) -> list[tuple[float, int]] | None:
+    """Several proxies' histograms of one fingerprint, added; None if one is missing."""
+    if len(parts) < 2 or any(q.histogram is None for q in parts):
+        return None
+    return add_histograms(q.histogram for q in parts if q.histogram is not None)
+
+
+def merged_p99(parts: list[TopQuery]) -> float | None:
+    """The p99 of one fingerprint over several proxies' rows (see merge_top)."""
+    histogram = _added_histograms(parts)
+    if histogram is not None:
+        return percentiles(histogram, (0.99,))[0]
+    return max((q.p99_ms for q in parts), default=None)
 
 
 def top_rows(states: list[ProxyState], by: str, previous_ranks: dict[str, int]) -> list[TopRow]:
@@ -214,7 +241,7 @@ def top_rows(states: list[ProxyState], by: str, previous_ranks: dict[str, int]) 
                 proxies=owners,
                 calls_per_s=sum(known) if known else None,
                 prev_mean=(sum(p.total_ms for p in prev_q) / prev_calls) if prev_calls else None,
-                prev_p99=max((p.p99_ms for p in prev_q), default=None),
+                prev_p99=merged_p99(prev_q),
                 prev_rank=previous_ranks.get(q.fingerprint),
             )
         )

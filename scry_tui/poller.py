@@ -58,6 +58,7 @@ class PollSettings:
     paused: bool = False
     top_by: str = "total_time"
     top_limit: int = 50
+    top_histograms: bool = False  # (for merging several proxies' percentiles)
     hot_limit: int = 50
 
 
@@ -148,7 +149,7 @@ class Poller:
     async def _topic(self, topic: str) -> Any:
         c, s = self.client, self.settings
         if topic == "top":
-            return await c.top(by=s.top_by, limit=s.top_limit)
+            return await c.top(by=s.top_by, limit=s.top_limit, histogram=s.top_histograms)
         if topic == "hot":
             return await c.hot(limit=s.hot_limit)
         if topic == "clients":

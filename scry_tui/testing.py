@@ -93,6 +93,7 @@ class FakeAdmin:
         self.breaker_state = "closed"
         self.tail_events = self.make_events()
         self.requests = 0
+        self.top_params: list[dict[str, str]] = []  # each /queries/top request's query
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -107,6 +108,8 @@ class FakeAdmin:
         params = dict(request.url.params)
         if request.method == "POST":
             return self.post(path, params)
+        if path == "/queries/top":
+            self.top_params.append(params)
         if path == "/tail":
             return httpx.Response(
                 200,

@@ -225,8 +225,11 @@ class Instance:
         payload = merge_hot(list(g.answers.values()), limit)
         return s.HotData.model_validate({**payload, "fleet": self.fleet_info(scope, g)})
 
-    async def top(self, scope: Scope, by: str, limit: int, window: float | None) -> s.TopQueries:
-        """The ranking over the workers' merged statistics.
+    async def top(
+        self, scope: Scope, by: str, limit: int, window: float | None, histogram: bool = False
+    ) -> s.TopQueries:
+        """The ranking over the workers' merged statistics (``histogram``: with
+        each row's merged latency histogram).
 
         Round 1: every fingerprint's sums (histograms too when ranking by p99)
         from each worker, merged and ranked. Round 2, only if some worker had
@@ -240,7 +243,7 @@ class Instance:
         if window is None:  # the evicted fingerprints' time is part of the cumulative total
             evicted = sum(int(a["evicted_total_us"]) for a in g.answers.values())
         parts = [a["rows"] for a in g.answers.values()]
-        rows, grand_total = await self._rank(parts, by, limit, evicted)
+        rows, grand_total = await self._rank(parts, by, limit, evicted, histogram)
         brief = [w for w, a in g.answers.items() if not a["details"]]
         if brief:
             chosen = [row["fingerprint"] for row in rows]
@@ -257,7 +260,7 @@ class Instance:
                 for a in g.answers.values()
                 if a["details"]
             ]
-            rows = rank_merged(merge_rows(parts), by, limit, grand_total)
+            rows = rank_merged(merge_rows(parts), by, limit, grand_total, histogram)
         return s.TopQueries.model_validate(
             {
                 "by": by,
@@ -269,14 +272,14 @@ class Instance:
         )
 
     async def _rank(
-        self, parts: list[list[list[Any]]], by: str, limit: int, evicted_us: int
+        self, parts: list[list[list[Any]]], by: str, limit: int, evicted_us: int, histogram: bool
     ) -> tuple[list[dict[str, Any]], int]:
         """Merge exported rows and rank them; also the grand total (µs) of ``share``."""
 
         def rank() -> tuple[list[dict[str, Any]], int]:
             merged = merge_rows(parts)
             grand_total = merged_total_us(merged) + evicted_us
-            return rank_merged(merged, by, limit, grand_total), grand_total
+            return rank_merged(merged, by, limit, grand_total, histogram), grand_total
 
         if sum(map(len, parts)) > THREAD_MERGE_ROWS:
             # Many fingerprints: merge off the event loop (the GIL is released to

@@ -95,8 +95,10 @@ def status_summary(proxy: Proxy) -> dict[str, Any]:
     return summary
 
 
-def top(proxy: Proxy, by: str, limit: int, window: float | None) -> s.TopQueries:
-    rows = proxy.observatory.top(by, limit, window)
+def top(
+    proxy: Proxy, by: str, limit: int, window: float | None, histogram: bool = False
+) -> s.TopQueries:
+    rows = proxy.observatory.top(by, limit, window, histogram)
     return s.TopQueries.model_validate(
         {"by": by, "window_seconds": window, "limit": limit, "queries": rows}
     )

@@ -355,10 +355,11 @@ class AdminServer:
             raise ApiError(400, "bad_parameter", f"by must be one of {', '.join(s.RANKINGS)}")
         limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
         window = _float_param(request, "window", 0.0, 86400.0, exclusive_low=True)
+        histogram = _bool_param(request, "histogram")
         scope = self._scope(request)
         if scope is not None and self.instance is not None:
-            return _model_response(await self.instance.top(scope, by, limit, window))
-        return _model_response(local.top(self.proxy, by, limit, window))
+            return _model_response(await self.instance.top(scope, by, limit, window, histogram))
+        return _model_response(local.top(self.proxy, by, limit, window, histogram))
 
     async def hot(self, request: web.Request) -> web.Response:
         limit = _int_param(request, "limit", 50, 1, MAX_PAGE)

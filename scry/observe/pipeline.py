@@ -497,11 +497,16 @@ class Observatory:
     # ------------------------------------------------------------------ #
 
     def top(
-        self, by: str = "total_time", limit: int = 20, window_seconds: float | None = None
+        self,
+        by: str = "total_time",
+        limit: int = 20,
+        window_seconds: float | None = None,
+        histogram: bool = False,
     ) -> list[dict[str, Any]]:
         """Heaviest fingerprints by total_time, mean, calls, errors or p99,
-        since start (``window_seconds=None``) or over the last window."""
-        return self.stats.top(by, limit, window_seconds)
+        since start (``window_seconds=None``) or over the last window; with
+        ``histogram``, each one's latency histogram too."""
+        return self.stats.top(by, limit, window_seconds, histogram=histogram)
 
     def hot(self, limit: int = 20) -> dict[str, list[dict[str, Any]]]:
         """Hottest tables and lookup values (estimated, decaying counts)."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from operator import itemgetter
 from typing import Any
 
-from scry.observe.histogram import _DIRECT, SUB_BITS, merge_into, percentiles
+from scry.observe.histogram import _DIRECT, SUB_BITS, bucket_value, merge_into, percentiles
 
 RANKINGS = ("total_time", "mean", "calls", "errors", "p99")
 
@@ -272,9 +272,11 @@ class StatsTable:
         limit: int = 20,
         window_seconds: float | None = None,
         now: float | None = None,
+        histogram: bool = False,
     ) -> list[dict[str, Any]]:
         """The ``limit`` heaviest fingerprints, cumulative or over the last
-        ``window_seconds`` (rounded up to whole slots, at most the ring)."""
+        ``window_seconds`` (rounded up to whole slots, at most the ring);
+        ``histogram`` adds each one's latency histogram (``_row``)."""
         if by not in RANKINGS:
             raise ValueError(f"top(by=...) must be one of {', '.join(RANKINGS)}, not {by!r}")
         views = self._views(window_seconds, now)
@@ -283,7 +285,7 @@ class StatsTable:
             grand_total += self._evicted_totals.total_us
         slot_key = _slot_key(by)
         chosen = heapq.nlargest(limit, views, key=lambda ev: slot_key(ev[1]))
-        return [_row(e, v, grand_total) for e, v in chosen]
+        return [_row(e, v, grand_total, histogram) for e, v in chosen]
 
     def summary(self, window_seconds: float = 60, now: float | None = None) -> dict[str, Any]:
         """Totals over everything and over the last window (qps, p99)."""
@@ -408,7 +410,7 @@ _ROW_SLOT = 3
 
 
 def rank_merged(
-    merged: dict[str, list[Any]], by: str, limit: int, grand_total: int
+    merged: dict[str, list[Any]], by: str, limit: int, grand_total: int, histogram: bool = False
 ) -> list[dict[str, Any]]:
     """``top`` over merged rows (``grand_total``: µs, the denominator of ``share``)."""
     if by not in RANKINGS:
@@ -418,7 +420,7 @@ def rank_merged(
     for m in chosen:
         e = QueryStats(m[0], m[1] or "", m[2], 0)
         e.last_seen = m[3]
-        out.append(_row(e, m[_ROW_SLOT:], grand_total))
+        out.append(_row(e, m[_ROW_SLOT:], grand_total, histogram))
     return out
 
 
@@ -520,10 +522,10 @@ def _fold(source: QueryStats, target: QueryStats) -> None:
             _add_slot(mine, slot)
 
 
-def _row(e: QueryStats, v: list[Any], grand_total: int) -> dict[str, Any]:
+def _row(e: QueryStats, v: list[Any], grand_total: int, histogram: bool) -> dict[str, Any]:
     calls = v[_CALLS]
     p50, p95, p99 = percentiles(v[_HIST], (0.5, 0.95, 0.99))
-    return {
+    row = {
         "fingerprint": e.fingerprint,
         "query": e.query,
         "calls": calls,
@@ -543,3 +545,8 @@ def _row(e: QueryStats, v: list[Any], grand_total: int) -> dict[str, Any]:
         "first_seen": e.first_seen,
         "last_seen": e.last_seen,
     }
+    if histogram:
+        # Each bucket as its value in ms (what percentiles() picks) and count:
+        # proxies bucket alike, so a fleet's histograms add up pair by pair.
+        row["histogram"] = [(bucket_value(b) / 1000, n) for b, n in sorted(v[_HIST].items())]
+    return row

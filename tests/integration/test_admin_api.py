@@ -97,6 +97,10 @@ def test_state_endpoints_reflect_real_connections(scry_proxy, wait_until) -> Non
 
         (row,) = wait_until(ranked, 5, what="the query in the ranking")
         assert row["calls"] == 1 and CANARY not in row["query"]
+        with_histogram = get(base, "/api/v1/queries/top", by="calls", histogram="true")["queries"]
+        (same,) = [r for r in with_histogram if "pg_class" in r["query"]]
+        ((value_ms, count),) = same["histogram"]
+        assert count == 1 and value_ms == row["p99_ms"]
         hot = get(base, "/api/v1/hot", limit=10)
         assert hot == get(base, "/debug/hot_data", limit=10) or hot["tables"]
 

@@ -24,6 +24,8 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from admin.histograms import add_histograms
+from admin.histograms import percentiles as histogram_percentiles
 from admin.schemas import API_PREFIX
 from scry.devcluster import free_port
 
@@ -161,6 +163,21 @@ def test_instance_totals_are_the_sum_of_the_workers(scry_proxy, wait_until) -> N
     assert row["total_ms"] == pytest.approx(sum(r["total_ms"] for r in rows), abs=0.01)
     assert row["min_ms"] * 0.98 <= row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
     assert row["p99_ms"] <= row["max_ms"] * 1.02 + 0.001
+    # The instance's histogram is the workers' added up; its percentiles are the row's.
+    assert row.get("histogram") is None  # (only when asked for)
+    (whole,) = probe_rows(admin.get("/queries/top", by="calls", histogram="true"), "fleet_probe")
+    own_histograms = [
+        r["histogram"]
+        for k in range(4)
+        for r in probe_rows(
+            admin.get("/queries/top", by="calls", worker=k, histogram="true"), "fleet_probe"
+        )
+    ]
+    assert [tuple(pair) for pair in whole["histogram"]] == add_histograms(own_histograms)
+    assert sum(count for _, count in whole["histogram"]) == total
+    assert histogram_percentiles(whole["histogram"], (0.5, 0.95, 0.99)) == [
+        row["p50_ms"], row["p95_ms"], row["p99_ms"]
+    ]  # fmt: skip
 
     # (The merged status is reused for STATUS_TTL: the fleet wait above may have
     # cached one from before the queries.)

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from admin import schemas as s
+from admin.histograms import add_histograms
+from admin.histograms import percentiles as histogram_percentiles
 from scry.adminapi import fleet
 from scry.adminapi.local import export_families
 from scry.observe.anonymize import Anonymizer
@@ -105,6 +107,37 @@ def test_merge_of_one_export_is_the_tables_own_ranking() -> None:
     table = _table(_workload(seed=3))
     for by in RANKINGS:
         assert _fleet_top([table], by, 20, None) == table.top(by, 20, now=NOW)
+
+
+@pytest.mark.parametrize("window", [None, 60.0])
+def test_proxies_histograms_add_up_to_the_fleets_percentiles(window: float | None) -> None:
+    """What the console does with several proxies' ``?histogram=true``
+    rankings (admin.histograms): their percentiles are those of one proxy
+    that served everything, where the worst proxy's would only bound them."""
+    records = _workload(seed=11)
+    whole = {r["fingerprint"]: r for r in _table(records).top("calls", 100, window, now=NOW)}
+    proxies = [
+        {r["fingerprint"]: r for r in _json(_table(part).top("calls", 100, window, NOW, True))}
+        for part in _split(records, 3, seed=12)
+    ]
+    bounded = 0
+    for fp, expected in whole.items():
+        parts = [rows[fp] for rows in proxies if fp in rows]
+        histogram = add_histograms(part["histogram"] for part in parts)
+        assert sum(count for _, count in histogram) == expected["calls"]
+        got = histogram_percentiles(histogram, (0.5, 0.95, 0.99))
+        assert got == [expected["p50_ms"], expected["p95_ms"], expected["p99_ms"]], fp
+        bounded += max(part["p99_ms"] for part in parts) > expected["p99_ms"]
+    assert bounded  # (the worst proxy's p99 overstates some: this is not vacuous)
+
+
+def test_a_single_histogram_gives_the_proxys_own_percentiles() -> None:
+    for row in _table(_workload(seed=13)).top("total_time", 50, None, NOW, histogram=True):
+        assert histogram_percentiles(row["histogram"], (0.5, 0.95, 0.99)) == [
+            row["p50_ms"], row["p95_ms"], row["p99_ms"]
+        ]  # fmt: skip
+    assert histogram_percentiles([], (0.5, 0.99)) == [0.0, 0.0]
+    assert "histogram" not in _table(_workload(seed=13)).top("calls", 5, None, NOW)[0]
 
 
 def test_details_only_where_asked() -> None:

@@ -71,6 +71,18 @@ async def test_cursor_stays_on_its_row_when_the_ranking_changes() -> None:
         assert app.query_one("#top").ranks[watched] < before + 1
 
 
+async def test_several_proxies_are_asked_for_histograms_one_is_not() -> None:
+    """Merging percentiles needs each proxy's histograms (scry_tui.model.merge_top);
+    a lone proxy's own percentiles need none."""
+    for names, wanted in ((("a", "b"), {"true"}), (("solo",), {None})):
+        app, fakes, clock = fake_console(names=names, view="top")
+        async with app.run_test(size=SIZE) as pilot:
+            await refreshed(pilot, app, 1, clock)
+        for fake in fakes.values():
+            assert fake.top_params
+            assert {params.get("histogram") for params in fake.top_params} == wanted
+
+
 async def test_sort_cycles_and_scope_toggles() -> None:
     app, fakes, clock = fake_console(view="top")
     async with app.run_test(size=SIZE) as pilot:

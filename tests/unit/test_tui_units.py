@@ -161,6 +161,20 @@ def test_merge_top_by_fingerprint() -> None:
     assert [q.fingerprint for q in merge_top([a, b], "mean")] == ["y", "x"]
 
 
+def test_merge_top_adds_the_proxies_histograms() -> None:
+    """One slow call on proxy a, 199 fast ones on b: the fleet's p99 is fast,
+    though a's own p99 is the slow call. A proxy that sends no histogram
+    (older) leaves the worst proxy's p99, an upper bound."""
+    slow = _q("x", 1, 500.0, 500.0).model_copy(update={"histogram": [(500.0, 1)]})
+    fast = _q("x", 199, 199.0, 1.0).model_copy(update={"histogram": [(0.5, 100), (1.0, 99)]})
+    x = merge_top([_state("a", [slow]), _state("b", [fast])], "total_time")[0]
+    assert (x.p50_ms, x.p95_ms, x.p99_ms) == (0.5, 1.0, 1.0)
+    assert x.histogram == [(0.5, 100), (1.0, 99), (500.0, 1)] and x.max_ms == 500.0
+    older = fast.model_copy(update={"histogram": None})
+    x = merge_top([_state("a", [slow]), _state("b", [older])], "total_time")[0]
+    assert x.p99_ms == 500.0 and x.histogram is None
+
+
 def test_top_tracker_rates() -> None:
     tracker = TopTracker()
     tracker.update([_q("x", 10, 10.0, 1.0)], mono=100.0)
