@@ -29,8 +29,7 @@ SCRY = Path(sys.executable).with_name("scry")
 MARKER = "console_e2e_marker"
 
 
-@pytest.fixture
-def admin_proxy(scry_proxy):
+def start_admin_proxy(scry_proxy):
     port = free_port()
     proxy = scry_proxy(
         {
@@ -47,6 +46,11 @@ def admin_proxy(scry_proxy):
         except httpx.TransportError:
             time.sleep(0.05)
     return proxy, base
+
+
+@pytest.fixture
+def admin_proxy(scry_proxy):
+    return start_admin_proxy(scry_proxy)
 
 
 @contextmanager
@@ -114,6 +118,37 @@ async def test_console_watches_a_real_proxy(admin_proxy) -> None:
             await refreshed(pilot, app, 1)
             pins = app.states["local"].pins
             assert pins is not None and any("set" in p.reasons for p in pins.pins)
+
+
+async def test_console_merges_two_real_proxies_percentiles(scry_proxy) -> None:
+    """One slow pg_sleep through proxy a, 150 fast ones through b: the merged
+    Top row counts 151 calls and its p99 is a fast call's, though a's own p99
+    is the slow one (the worst proxy's p99, which the console showed before)."""
+    (a, base_a), (b, base_b) = start_admin_proxy(scry_proxy), start_admin_proxy(scry_proxy)
+    with psycopg.connect(**a.conninfo(), autocommit=True) as conn:
+        conn.execute("select pg_sleep(0.2)")
+    with psycopg.connect(**b.conninfo(), autocommit=True) as conn:
+        for _ in range(150):
+            conn.execute("select pg_sleep(0)")
+    targets = [
+        make_target(base_a, name="a", token=TOKEN),
+        make_target(base_b, name="b", token=TOKEN),
+    ]
+    app = ScryConsole(targets, view="top", refresh=0.5)
+    async with app.run_test(size=(160, 44)) as pilot:
+        top = app.query_one("#top")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            await refreshed(pilot, app, 1)
+            rows = [r for r in top.rows.values() if "pg_sleep" in r.query.query]
+            if rows and rows[0].query.calls == 151:
+                break
+        (row,) = rows
+        assert row.query.calls == 151 and row.proxies == ("a", "b")
+        assert row.query.max_ms >= 200
+        assert row.query.p99_ms < 50
+        own_a = next(q for q in app.states["a"].top.queries if "pg_sleep" in q.query)
+        assert own_a.p99_ms >= 200
 
 
 def test_scry_screenshot_of_a_real_proxy(admin_proxy, tmp_path: Path) -> None:
