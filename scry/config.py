@@ -1055,15 +1055,17 @@ def _short_repr(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# Keys whose values must not be echoed back in an error message.
-_SECRET_KEYS = frozenset({"password", "token", "anonymize_key", "database_url"})
+# Keys whose values (and anything under them) must not be echoed back in an
+# error message: ``users`` holds passwords, whatever shape a mistake gave it.
+_SECRET_KEYS = frozenset({"password", "token", "anonymize_key", "database_url", "users"})
 
 
 def _describe(error: Mapping[str, Any]) -> str:
     kind = error["type"]
     ctx = error.get("ctx") or {}
     value = error.get("input")
-    if error["loc"] and error["loc"][-1] in _SECRET_KEYS:
+    if isinstance(value, (dict, list, tuple)) or _SECRET_KEYS.intersection(error["loc"]):
+        # (A mapping or list may hold a secret under any key: only its type is said.)
         found = f", found a value of type {type(value).__name__}"
     else:
         found = f", found {_short_repr(value)}"

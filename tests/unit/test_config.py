@@ -171,6 +171,13 @@ def test_secret_values_not_echoed_in_errors(tmp_path: Path) -> None:
     )
     assert "auth.users[0].password: expected a string" in message
     assert "hunter2" not in message
+    # Users written as a mapping or a "name password" string hold passwords too.
+    for users in ("{bob: hunter2}", '["bob hunter2"]', "[{name: bob, pasword: hunter2}]"):
+        message = error_for(tmp_path, SEED_YAML + f"auth:\n  users: {users}\n")
+        assert "auth.users" in message and "hunter2" not in message, message
+    message = error_for(tmp_path, SEED_YAML + "timeouts: [x, {password: hunter2}]\n")
+    assert "timeouts: expected" in message and "found a value of type list" in message
+    assert "hunter2" not in message
 
 
 def test_workers_auto_and_int(tmp_path: Path) -> None:
