@@ -27,6 +27,7 @@ from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.auth import BackendAuthError, BackendAuthExchange
+from scry.protocol.classify import quote_literal
 from scry.protocol.errors import CONNECTION_FAILURE, PROTOCOL_VIOLATION, ProtocolViolation
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ServerStatements
@@ -115,10 +116,6 @@ class ServerLoginError(Exception):
     @property
     def sqlstate(self) -> str:
         return self.fields.get("C", CONNECTION_FAILURE)
-
-
-def quote_literal(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
 
 
 class ServerConnection(ServerCore, asyncio.Protocol):

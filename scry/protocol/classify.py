@@ -48,7 +48,15 @@ from typing import Any, Literal, NamedTuple
 
 from pglast.parser import ParseError, parse_sql_json, scan
 
-__all__ = ["Effect", "Op", "Reason", "classify", "classify_bytes", "is_stateless_fast"]
+__all__ = [
+    "Effect",
+    "Op",
+    "Reason",
+    "classify",
+    "classify_bytes",
+    "is_stateless_fast",
+    "quote_literal",
+]
 
 Op = Literal["pin", "unpin", "unpin_all"]
 Reason = Literal[
@@ -368,7 +376,7 @@ def _set_effects(body: _Node, text: str) -> list[Effect]:
             value = _constant(option.get("arg"))
             if isinstance(value, int):  # READ ONLY / DEFERRABLE arrive as 1 / 0
                 value = "on" if value else "off"
-            replay = None if value is None else f"SET {guc} TO {_quote(str(value))}"
+            replay = None if value is None else f"SET {guc} TO {quote_literal(str(value))}"
             effects.append(Effect("pin", "set", guc, replay, True))
         return effects
     if name in _TRANSACTION_SCOPED:
@@ -484,7 +492,7 @@ def _set_config_effect(args: list[Any], plain: bool) -> Effect | None:
         return Effect("pin", "set", "set_config", None, True)
     replayable = plain and local is False and isinstance(value, str | int | float)
     replay = (
-        f"SELECT pg_catalog.set_config({_quote(name)}, {_quote(str(value))}, false)"
+        f"SELECT pg_catalog.set_config({quote_literal(name)}, {quote_literal(str(value))}, false)"
         if replayable
         else None
     )
@@ -546,7 +554,7 @@ def _as_bool(value: str | int | float | bool | None) -> bool | None:
     return None
 
 
-def _quote(value: str) -> str:
+def quote_literal(value: str) -> str:
     """A SQL string literal for ``value``, whatever standard_conforming_strings says."""
     if "\\" in value:
         return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"

@@ -17,6 +17,7 @@ import time
 import psycopg
 import psycopg.errors
 import pytest
+from rawpg import Raw, data_row, q
 from test_admin_api import get, start_admin_proxy
 
 # The proxy's backends: user app on database app (the tests' own direct
@@ -194,6 +195,26 @@ def test_startup_parameters_follow_each_client(scry_proxy, pg, admin_dsn) -> Non
     finally:
         for conn in conns.values():
             conn.close()
+
+
+def test_settings_apply_after_a_client_without_standard_conforming_strings(scry_proxy) -> None:
+    """A client logged in with standard_conforming_strings=off leaves its
+    server so; the next client's settings (a backslash in application_name)
+    must still apply, and standard_conforming_strings go back to on."""
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}, "auth": {"type": "trust"}})
+    old = Raw(proxy.port, params={"standard_conforming_strings": "off"})
+    old.send(q("select 1"))
+    old.until_ready()
+    old.close()
+    new = Raw(proxy.port, params={"application_name": "tool\\"})
+    try:
+        new.send(q("select current_setting('standard_conforming_strings'), "
+                   "current_setting('application_name'), 'a\\tb'"))  # fmt: skip
+        rows = [data_row(body) for kind, body in new.until_ready() if kind == "D"]
+    finally:
+        new.close()
+    assert rows == [["on", "tool\\", "a\\tb"]]
+    assert "could not apply a client setting" not in proxy.log_tail(50)
 
 
 REPORTED = ("application_name", "TimeZone", "DateStyle", "IntervalStyle", "client_encoding")
