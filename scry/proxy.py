@@ -272,6 +272,13 @@ class Proxy:
             return False
         if new.listen_addr != self.config.listen_addr:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
+        if (new.admin.listen_addr, new.admin.enabled) != (
+            self.config.admin.listen_addr,
+            self.config.admin.enabled,
+        ):
+            # (The token and read_only apply at once: the API reads them per request.)
+            event("admin.listen_addr or admin.enabled changed; takes effect on restart",
+                  logging.WARNING)  # fmt: skip
         old_log, self.config = self.config.log, new
         if new.log.level != old_log.level:
             logger.setLevel(new.log.level.upper())

@@ -56,7 +56,7 @@ from scry.adminapi.tail import (
     TAIL_WRITE_TIMEOUT,
     FleetTail,
 )
-from scry.config import split_host_port
+from scry.config import is_loopback_host, split_host_port
 from scry.log import event
 
 if TYPE_CHECKING:
@@ -143,6 +143,24 @@ def _page(request: web.Request) -> tuple[int, int]:
 # --- the server -----------------------------------------------------------------------
 
 
+class _OneLineHttpErrors(logging.Filter):
+    """aiohttp's log of a request it could not handle, as one line without the
+    exception: a malformed request's text (its Authorization header with a
+    real token in it, say) must not reach the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        record.msg = "admin API: a request could not be handled: %s"
+        record.args = (type(error).__name__ if error is not None else "unknown error",)
+        record.exc_info = record.exc_text = None
+        record.stack_info = None
+        return True
+
+
+_HTTP_ERRORS = logging.getLogger("scry.adminapi.http")
+_HTTP_ERRORS.addFilter(_OneLineHttpErrors())
+
+
 class AdminServer:
     """The admin API of one proxy (one per event loop)."""
 
@@ -151,6 +169,9 @@ class AdminServer:
         self.runner: web.AppRunner | None = None
         self.address = ""  # host:port actually bound (port 0 picks a free one)
         self.port = 0
+        # Bound beyond loopback: every request needs the token, whatever a
+        # reload says (the listener stays where it was bound until a restart).
+        self.exposed = False
         self.tls = False
         # Several workers: worker 0 answers for all of them (None: a single process).
         self.instance = Instance(proxy) if proxy.identity.workers > 1 else None
@@ -197,6 +218,7 @@ class AdminServer:
         runner = web.AppRunner(
             self.build_app(),
             access_log=None,
+            logger=_HTTP_ERRORS,  # (aiohttp's own would log a bad request's headers)
             handle_signals=False,
             handler_cancellation=True,  # a tail whose reader left stops at once
             shutdown_timeout=1.0,
@@ -212,6 +234,7 @@ class AdminServer:
         bound = runner.addresses[0] if runner.addresses else (host, port)
         self.port = int(bound[1])
         self.address = views._sockname((bound[0], bound[1]))
+        self.exposed = not is_loopback_host(str(bound[0]))
         self.proxy.observatory.metrics.set_pool_stats_provider(
             lambda: views.pool_gauges(self.proxy)
         )
@@ -256,9 +279,10 @@ class AdminServer:
             return
         action = request.method == "POST"
         token = cfg.token
-        if action and not token:
+        if (action or self.exposed) and not token:
+            what = "actions need" if action else f"the admin API on {self.address} needs"
             raise ApiError(
-                403, "token_required", "actions need admin.token (or admin.token_file) configured"
+                403, "token_required", f"{what} admin.token (or admin.token_file) configured"
             )
         if not token or (path == "/metrics" and cfg.metrics_public and not action):
             return
@@ -266,7 +290,9 @@ class AdminServer:
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not presented:
             raise ApiError(401, "unauthorized", "missing token: send Authorization: Bearer <token>")
-        if not hmac.compare_digest(presented.strip().encode(), token.encode()):
+        # (surrogateescape: a header's non-UTF-8 bytes are a wrong token, not an error)
+        given = presented.strip().encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, token.encode()):
             raise ApiError(401, "unauthorized", "wrong token")
         if action and cfg.read_only:
             raise ApiError(403, "read_only", "the admin API is read-only (admin.read_only: true)")

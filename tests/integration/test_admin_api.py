@@ -9,6 +9,7 @@ bounded schemathesis run against the served OpenAPI document.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any
@@ -32,7 +33,7 @@ def start_admin_proxy(scry_proxy, admin: dict[str, Any] | None = None, **overrid
     settings.update(admin or {})
     config = {"pool": {"mode": "hybrid", "size": 3}, "admin": settings, **overrides}
     proxy = scry_proxy(config)
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{settings['listen_addr'].rpartition(':')[2]}"
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -247,6 +248,37 @@ def test_authorization(scry_proxy) -> None:
     assert httpx.get(f"{open_base}/api/v1/pools").status_code == 200
     response = httpx.post(f"{open_base}/api/v1/breaker/trip")
     assert response.status_code == 403 and response.json()["code"] == "token_required"
+
+
+def raw_request(base: str, head: bytes) -> bytes:
+    """The status line of the answer to a hand-written request (what httpx refuses to send)."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"GET /api/v1/status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer.split(b"\r\n", 1)[0]
+
+
+def test_authorization_holds_against_odd_headers_and_reloads(scry_proxy, wait_until) -> None:
+    port = free_port()
+    proxy, base = start_admin_proxy(scry_proxy, {"listen_addr": f"0.0.0.0:{port}"})
+    # Bytes that are not UTF-8 are a wrong token, not a server error.
+    assert b" 401 " in raw_request(base, b"Authorization: Bearer \xff\xfe\r\n\r\n")
+    # A request aiohttp cannot parse (the token, then a stray CR) is logged
+    # in one line, without its headers.
+    raw_request(base, b"Authorization: Bearer " + TOKEN.encode() + b"\r\r\n\r\n")
+    wait_until(lambda: "a request could not be handled" in proxy.log_tail(20), 5)
+    assert TOKEN not in proxy.log_path.read_text()
+    # A reload cannot open the API it listens with on 0.0.0.0: without the
+    # token in the new file, every request is refused until a restart.
+    proxy.write_config({**proxy.config, "admin": {"listen_addr": f"127.0.0.1:{port}"}})
+    assert post(base, "/api/v1/reload")["databases"] == ["app"]
+    response = httpx.get(f"{base}/api/v1/status")
+    assert response.status_code == 403 and response.json()["code"] == "token_required"
+    assert f"0.0.0.0:{port}" in response.json()["message"]
+    assert httpx.get(f"{base}/healthz").status_code == 200
 
 
 def test_reload_and_pause(scry_proxy) -> None:
