@@ -830,7 +830,7 @@ class Config(_Model):
     so_reuseport: bool = False
     tls: TlsConfig = Field(default_factory=TlsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
-    max_packet_size: Int = Field(1073741823, ge=1024)
+    max_packet_size: Int = Field(1073741823, ge=1024, le=2147483647)  # (PgBouncer's most)
     #: PgBouncer's listen_backlog: how many connections the kernel queues before
     #: they are accepted (capped by net.core.somaxconn). PgBouncer's default is
     #: 128; scry's rides out a burst of new connections. A reload applies it.

@@ -245,7 +245,7 @@ def cmd_kill(console: AdminConsole, arg: str, sql: str) -> bytes:
 
 def cmd_kill_client(console: AdminConsole, arg: str, sql: str) -> bytes:
     wanted = arg.lstrip("cC")
-    if not wanted.isdigit():
+    if not (wanted.isascii() and wanted.isdigit()):  # (str.isdigit takes "²" too)
         raise ConsoleError("invalid client pointer supplied")
     for client in list(console.proxy.clients):
         if num_id(client.id) == int(wanted):

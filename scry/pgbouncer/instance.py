@@ -146,7 +146,7 @@ async def _show_fingerprints(console: AdminConsole) -> bytes:
 
 async def _kill_client(console: AdminConsole, sql: str, arg: str) -> bytes:
     wanted = arg.lstrip("cC")
-    if not console.admin or not wanted.isdigit():
+    if not console.admin or not (wanted.isascii() and wanted.isdigit()):
         return await _settled(console.answer_here(sql))  # its error, as one worker says it
     worker, own_id = local_id(int(wanted), console.workers)
     local_sql = f"KILL_CLIENT {own_id}"

@@ -68,13 +68,13 @@ def stamp(wall: float) -> str:
 def num_id(ident: str) -> int:
     """The number in a connection id (``c12`` -> 12)."""
     digits = ident[1:]
-    return int(digits) if digits.isdigit() else 0
+    return int(digits) if digits.isascii() and digits.isdigit() else 0
 
 
 def split_addr(addr: str) -> tuple[str, int]:
     """``host:port`` (or ``[v6]:port``) as (host, port); ("unix", 0) for a socket."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):
         return addr or "unix", 0
     return host.strip("[]"), int(port)
 

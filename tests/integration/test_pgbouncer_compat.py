@@ -488,6 +488,13 @@ def test_kill_client_and_reconnect(scry_bouncer: Bouncer) -> None:
         with pytest.raises(psycopg.OperationalError):
             conn.execute("select 1")
     assert b.admin("KILL_CLIENT 987654")[1:] == ("08P01", "client not found")
+    for odd in ('"²"', '"c²"', "x"):  # (not an id: an error, not a dropped session)
+        assert b.admin(f"KILL_CLIENT {odd}")[1] == "08P01", odd
+    # A max_packet_size no socket buffer could take is refused, not a proxy
+    # that turns every new connection away.
+    assert b.admin("SET max_packet_size = 99999999999999999999")[0] == "error"
+    with b.connect() as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
 
 
 def test_unix_socket_console_as_own_user(scry_bouncer: Bouncer) -> None:
