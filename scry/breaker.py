@@ -79,23 +79,22 @@ BREAKER_OPEN_SQLSTATE = "57P03"
 
 # SQLSTATEs that say the *server* is sick rather than the query being wrong.
 # Whole classes: 08 connection exception, 58 system error (I/O), XX internal.
-_SICK_CLASSES = frozenset({"08", "58", "XX"})
 _PROTOCOL_VIOLATION = "08P01"
 # Class 53 insufficient resources, except 53400 configuration_limit_exceeded,
 # which is one query hitting temp_file_limit and the like.
-_SICK_CODES = frozenset(
-    {
-        "53000",  # insufficient_resources
-        "53100",  # disk_full
-        "53200",  # out_of_memory
-        "53300",  # too_many_connections
-        "57P01",  # admin_shutdown
-        "57P02",  # crash_shutdown
-        "57P03",  # cannot_connect_now
-        "57P04",  # database_dropped
-        # 57P05 idle_session_timeout is about an idle client, not the server.
-    }
-)
+_SICK_NAMES = {
+    "53000": "insufficient_resources",
+    "53100": "disk_full",
+    "53200": "out_of_memory",
+    "53300": "too_many_connections",
+    "57P01": "admin_shutdown",
+    "57P02": "crash_shutdown",
+    "57P03": "cannot_connect_now",
+    "57P04": "database_dropped",
+    # 57P05 idle_session_timeout is about an idle client, not the server.
+}
+_SICK_CODES = frozenset(_SICK_NAMES)
+_SICK_CLASS_NAMES = {"08": "connection_exception", "58": "system_error", "XX": "internal_error"}
 _QUERY_CANCELED = "57014"
 # The server went away (shut down, crashed, not accepting yet) rather than being
 # up and sick: once a login succeeds again, it is worth probing.
@@ -114,9 +113,16 @@ def classify_sqlstate(code: str, *, query_timeout: bool = False) -> bool:
     """
     if code == _PROTOCOL_VIOLATION:
         return False  # PostgreSQL refusing a client's malformed message: the client's fault
-    if code in _SICK_CODES or code[:2] in _SICK_CLASSES:
+    if code in _SICK_CODES or code[:2] in _SICK_CLASS_NAMES:
         return True
     return query_timeout and code == _QUERY_CANCELED
+
+
+def condition_name(code: str) -> str:
+    """PostgreSQL's name for a sick ``code`` (or its class's), for reasons."""
+    if code == _QUERY_CANCELED:
+        return "query_canceled"
+    return _SICK_NAMES.get(code) or _SICK_CLASS_NAMES.get(code[:2], "error")
 
 
 class Transition(NamedTuple):
@@ -239,18 +245,19 @@ class CircuitBreaker:
             self._open(f"probe failed: {reason}", gone)
         # OPEN: a transaction from before the breaker opened; counted, nothing more.
 
-    def record_server_error(
-        self, sqlstate: str, message: str = "", *, query_timeout: bool = False
-    ) -> bool:
+    def record_server_error(self, sqlstate: str, *, query_timeout: bool = False) -> bool:
         """Record a backend ErrorResponse; a failure only if :func:`classify_sqlstate` says so.
 
         Returns True when it counted as a failure (the proxy should then not
-        call :meth:`record_success` for the same ReadyForQuery).
+        call :meth:`record_success` for the same ReadyForQuery). The reason
+        names the condition, never PostgreSQL's message: that can quote what
+        a client sent (a file name, a RAISE's text), and the reason goes to
+        the admin API, the log and every client the breaker refuses.
         """
         if not classify_sqlstate(sqlstate, query_timeout=query_timeout):
             return False
         gone = sqlstate in _GONE_CODES or sqlstate[:2] == "08"
-        self.record_failure(f"{sqlstate} {message}".rstrip(), gone=gone)
+        self.record_failure(f"{sqlstate} {condition_name(sqlstate)}", gone=gone)
         return True
 
     def login_succeeded(self) -> bool:

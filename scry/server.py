@@ -454,7 +454,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                     fatal = True
                 if self.copy & COPY_LIVE:
                     self._copy_failed(self.sqlstate)
-                self.breaker.record_server_error(self.sqlstate, fields.get("M", ""))
+                self.breaker.record_server_error(self.sqlstate)
                 inflight = client.inflight
                 if inflight and inflight[0][0] == REC_EXECUTE:
                     if not t_done:

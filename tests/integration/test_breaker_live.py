@@ -153,6 +153,22 @@ def test_syntax_errors_do_not_open_the_breaker(scry_proxy) -> None:
     assert "circuit breaker open" not in proxy.log_text()
 
 
+def test_the_breakers_reason_names_the_condition_not_the_message(scry_proxy) -> None:
+    """PostgreSQL's message can quote what a client sent; the reason goes to
+    the log and to every client refused: it says the SQLSTATE's name only."""
+    proxy = scry_proxy({"pool": {"size": 2}, "circuit_breaker": BREAKER})
+    sick = "DO $$ BEGIN RAISE EXCEPTION 'canary-b7e2' USING ERRCODE = 'XX000'; END $$"
+    with connect(proxy) as conn:
+        for _ in range(BREAKER["failure_threshold"]):
+            with pytest.raises(psycopg.errors.InternalError_):
+                conn.execute(sick)
+    with connect(proxy) as conn, pytest.raises(psycopg.errors.CannotConnectNow) as refused:
+        conn.execute("select 1")
+    assert "XX000 internal_error" in str(refused.value) and "canary" not in str(refused.value)
+    log = proxy.log_text()
+    assert "XX000 internal_error" in log and "canary" not in log
+
+
 async def test_predictive_breaker_opens_on_latency(scry_proxy) -> None:
     proxy = scry_proxy(
         {

@@ -14,6 +14,7 @@ from scry.breaker import (
     CircuitBreaker,
     Transition,
     classify_sqlstate,
+    condition_name,
 )
 from scry.config import CircuitBreakerConfig, ConfigError, load_config
 
@@ -97,7 +98,7 @@ def test_user_errors_do_not_count(code: str) -> None:
     breaker = make()
     assert classify_sqlstate(code) is False
     for _ in range(20):
-        assert breaker.record_server_error(code, "boom") is False
+        assert breaker.record_server_error(code) is False
     assert breaker.state is CLOSED
     assert breaker.failures == 0
 
@@ -111,17 +112,17 @@ def test_sick_server_errors_count(code: str) -> None:
     breaker = make()
     assert classify_sqlstate(code) is True
     for _ in range(5):
-        assert breaker.record_server_error(code, "the server is unwell") is True
+        assert breaker.record_server_error(code) is True
     assert breaker.state is OPEN
-    assert breaker.open_reason == f"5 consecutive failures: {code} the server is unwell"
+    assert breaker.open_reason == f"5 consecutive failures: {code} {condition_name(code)}"
 
 
 def test_query_canceled_counts_only_for_scry_query_timeout() -> None:
     assert classify_sqlstate("57014") is False
     assert classify_sqlstate("57014", query_timeout=True) is True
     breaker = make()
-    assert breaker.record_server_error("57014", "canceling statement") is False
-    assert breaker.record_server_error("57014", "query_timeout", query_timeout=True) is True
+    assert breaker.record_server_error("57014") is False
+    assert breaker.record_server_error("57014", query_timeout=True) is True
     assert breaker.failures == 1
 
 
@@ -383,12 +384,12 @@ def test_shutdown_and_connection_errors_say_the_server_is_gone() -> None:
     for code in ("57P01", "57P02", "57P03", "08006"):
         breaker = make()
         for _ in range(breaker.failure_threshold):
-            breaker.record_server_error(code, "terminating connection")
+            breaker.record_server_error(code)
         assert breaker.opened_on_gone, code
     for code in ("XX000", "53100", "58030", "53300"):
         breaker = make()
         for _ in range(breaker.failure_threshold):
-            breaker.record_server_error(code, "sick")
+            breaker.record_server_error(code)
         assert breaker.state is OPEN and not breaker.opened_on_gone, code
         assert breaker.login_succeeded() is False
         assert breaker.state is OPEN
@@ -432,7 +433,7 @@ def test_a_probe_that_cannot_log_in_reopens_on_gone() -> None:
     assert breaker.login_succeeded() is True
     # ... but a probe that fails on a sick server waits for the timeout.
     assert breaker.allow() is True
-    breaker.record_server_error("XX001", "invalid page")
+    breaker.record_server_error("XX001")
     assert breaker.state is OPEN and not breaker.login_succeeded()
 
 

@@ -144,7 +144,10 @@ def test_top_level_must_be_mapping(tmp_path: Path) -> None:
         ("tls:\n  client_tls_sslmode: on\n", "tls.client_tls_sslmode: expected one of"),
         ("workers: many\n", "workers: expected a positive integer or 'auto', found 'many'"),
         ("max_packet_size: 10\n", "max_packet_size: expected a number >= 1024"),
-        ("max_packet_size: 99999999999999999999\n", "max_packet_size: expected a number <= 2147483647"),
+        (
+            "max_packet_size: 99999999999999999999\n",
+            "max_packet_size: expected a number <= 2147483647",
+        ),
         ("listen_addr: nowhere\n", "listen_addr: expected 'host:port'"),
         ("bogus: 1\n", "bogus: unknown key"),
         ("observability:\n  events:\n    sink: file\n", "observability.events.path: sink 'file'"),
