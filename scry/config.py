@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -753,7 +754,7 @@ def _authority_hosts(hostinfo: str, url: str) -> list[tuple[str, int | None]]:
         try:
             hosts.append((unquote(host), _port(port) if port else None))
         except ValueError:
-            raise ValueError(f"bad port in {_mask_url(url)!r}") from None
+            raise ValueError(f"bad port in {redact_secrets(url)!r}") from None
     return hosts
 
 
@@ -761,6 +762,22 @@ def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ValueError(f"bad port {text!r}")
     return int(text)
+
+
+# A URL's password (even one cut short by an unencoded "/" or "#") and a
+# conninfo's or query's password=/sslpassword=, in text about to be shown.
+_URL_PASSWORD = re.compile(r"(://[^\s/@:'\"]*:)[^\s@'\"]*@")
+_KEY_PASSWORD = re.compile(r"((?:ssl)?password\s*=\s*)('(?:[^']|'')*'|[^\s&;'\"]+)", re.IGNORECASE)
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` (a config value or line quoted in an error) with what looks
+    like a password replaced by ``***``."""
+    return _KEY_PASSWORD.sub(rf"\1{MASK}", _URL_PASSWORD.sub(rf"\1{MASK}@", text))
+
+
+#: Query parameters of a database URL that are secrets (libpq's names).
+_QUERY_SECRETS = frozenset({"password", "sslpassword"})
 
 
 def _mask_url(url: str) -> str:
@@ -777,8 +794,10 @@ def _mask_url(url: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        if any(k == "password" for k, _ in pairs):
-            query = urlencode([(k, MASK if k == "password" else v) for k, v in pairs], safe="*/")
+        if any(k in _QUERY_SECRETS for k, _ in pairs):
+            query = urlencode(
+                [(k, MASK if k in _QUERY_SECRETS else v) for k, v in pairs], safe="*/"
+            )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -1068,7 +1087,8 @@ def _describe(error: Mapping[str, Any]) -> str:
         # (A mapping or list may hold a secret under any key: only its type is said.)
         found = f", found a value of type {type(value).__name__}"
     else:
-        found = f", found {_short_repr(value)}"
+        shown = redact_secrets(value) if isinstance(value, str) else value
+        found = f", found {_short_repr(shown)}"
     if kind == "extra_forbidden":
         return "unknown key"
     if kind == "missing":

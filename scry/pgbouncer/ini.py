@@ -45,6 +45,7 @@ from scry.config import (
     _problems_from_validation,
     _set_path,
     join_host_port,
+    redact_secrets,
 )
 from scry.protocol.auth import SCRAM_MIN_ITERATIONS
 
@@ -158,11 +159,11 @@ def _split_key(line: str, where: str) -> tuple[str, str]:
         key, pos = _read_quoted(line, 0, '"', where)
         rest = line[pos:].lstrip()
         if not rest.startswith("="):
-            raise IniError(f"{where}: expected '=' after {line[:pos]}")
+            raise IniError(f"{where}: expected '=' after {redact_secrets(line[:pos])}")
         return key, rest[1:].strip()
     key, sep, value = line.partition("=")
     if not sep or not key.strip() or len(key.split()) != 1:
-        raise IniError(f"{where}: expected 'key = value', found {line!r}")
+        raise IniError(f"{where}: expected 'key = value', found {redact_secrets(line)!r}")
     return key.strip(), value.strip()
 
 
@@ -200,7 +201,7 @@ def parse_connstring(text: str, where: str) -> dict[str, str]:
             break
         match = _CONN_KEY.match(text, pos)
         if not match:
-            raise IniError(f"{where}: expected 'key=value' at {text[pos:]!r}")
+            raise IniError(f"{where}: expected 'key=value' at {redact_secrets(text[pos:])!r}")
         key = match[1].lower()
         pos = match.end()
         if text[pos : pos + 1] == "'":

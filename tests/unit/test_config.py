@@ -470,6 +470,18 @@ def test_target_repr_hides_password() -> None:
 # --------------------------------------------------------------------------- #
 
 
+def test_errors_do_not_quote_passwords_in_urls(tmp_path: Path) -> None:
+    for extra in (
+        f'databases:\n  app: "postgres://app:{SECRET}@h/db"\n',  # (a mapping was expected)
+        f'databases:\n  app:\n    database_url: "postgres://app:ab/{SECRET}@h/db"\n',
+    ):
+        message = error_for(tmp_path, 'database_url: "postgres://localhost/db"\n' + extra)
+        assert "databases.app" in message and SECRET not in message, message
+    text = f'database_url: "postgres://u@h/db?sslpassword={SECRET}&sslmode=require"\n'
+    masked = load_config(write(tmp_path, text), env={}).masked_dict()
+    assert SECRET not in yaml.safe_dump(masked) and "sslpassword=***" in masked["database_url"]
+
+
 def test_masked_dict_hides_secrets(tmp_path: Path) -> None:
     text = f"""\
 database_url: "postgres://user:{SECRET}@localhost/mydb"

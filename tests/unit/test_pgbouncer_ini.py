@@ -278,6 +278,17 @@ def test_reading_errors_name_file_and_line(tmp_path: Path) -> None:
         convert(parse_ini(path))
 
 
+def test_reading_errors_do_not_quote_passwords(tmp_path: Path) -> None:
+    path = tmp_path / "bad.ini"
+    path.write_text("[databases]\nmy app = host=h password=hunter2\n")
+    with pytest.raises(IniError) as caught:
+        convert(parse_ini(path))
+    assert "hunter2" not in str(caught.value) and "password=***" in str(caught.value)
+    with pytest.raises(IniError) as caught:
+        parse_connstring('host=h "x"=1 password=hunter2', "t")
+    assert "hunter2" not in str(caught.value)
+
+
 def test_connstring_quoting() -> None:
     assert parse_connstring("host=h  password='a b''c' x='\\'y'", "t") == {
         "host": "h",
