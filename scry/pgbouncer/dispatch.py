@@ -100,7 +100,7 @@ class AdminConsole:
             return self._dispatch(sql)
         except ConsoleError as exc:
             if not self.local:  # (the worker that asked logs it, once)
-                event("console error", logging.WARNING, user=self.user, error=str(exc))
+                event("console error", logging.WARNING, user=self.user, error=_loggable(str(exc)))
             return error(str(exc)) + READY
 
     def _dispatch(self, sql: str) -> bytes | Awaitable[bytes]:
@@ -156,3 +156,17 @@ def _unquote(text: str, quote_char: str) -> str:
     if len(text) >= 2 and text[0] == quote_char and text[-1] == quote_char:
         return text[1:-1].replace(quote_char * 2, quote_char)
     return text
+
+
+_INVALID = "invalid command '"
+_INVALID_END = "', use SHOW HELP;"
+
+
+def _loggable(text: str) -> str:
+    """A console error for the log. PgBouncer's "invalid command '...'" quotes
+    the whole statement, which the client sees; the log keeps its first word
+    (the rest may hold a value: SELECT 'secret' ...)."""
+    if not (text.startswith(_INVALID) and text.endswith(_INVALID_END)):
+        return text
+    words = text[len(_INVALID) : -len(_INVALID_END)].split(None, 1)
+    return f"{_INVALID}{words[0] if words else ''} ...{_INVALID_END}"

@@ -58,6 +58,10 @@ def test_every_view_answers(scry_bouncer: Bouncer) -> None:
         assert breaker["app"] == "closed"
     assert b.admin("SHOW FDS")[0] == "error"
     assert b.admin("SHOW FDS", "stats", "stats_pass")[1:] == ("08P01", "admin access needed")
+    # PgBouncer's answer quotes a statement it does not know; its log line does not.
+    refused = b.admin("SELECT 'canary-c41d' FROM users")
+    assert refused[0] == "error" and "canary-c41d" in refused[2]
+    assert "invalid command 'SELECT ...'" in b.output() and "canary-c41d" not in b.output()
     with psycopg.connect(
         host="127.0.0.1", port=b.port, user="admin", password="admin_pass", dbname="pgbouncer",
         autocommit=True,
