@@ -235,11 +235,9 @@ class Proxy:
             event("reload skipped: no config file", logging.WARNING)
             return
         try:
-            new = load_config(self.config_path)
+            self.apply_config(load_config(self.config_path))
         except ConfigError as exc:
             event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
-            return
-        self.apply_config(new)
 
     def _tune_listeners(self) -> None:
         """The backlog and TCP options of every client listener (at start, and
@@ -260,16 +258,13 @@ class Proxy:
                     defer = int(self.config.tcp_defer_accept)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer)
 
-    def apply_config(self, config: Config) -> bool:
+    def apply_config(self, config: Config) -> None:
         """Apply a new configuration without dropping connections (the apply half of
-        a reload; PgBouncer-ini reloads come here too). False if it was refused."""
-        try:
-            new = self.identity.share_of(config)
-            auth = AuthPolicy.from_config(new)
-            tls_in, tls_out = client_tls(new.tls), server_tls(new.tls)
-        except ConfigError as exc:
-            event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
-            return False
+        a reload; PgBouncer-ini reloads come here too). Raises ConfigError, having
+        changed nothing, if it cannot be applied (an unreadable auth_file...)."""
+        new = self.identity.share_of(config)
+        auth = AuthPolicy.from_config(new)
+        tls_in, tls_out = client_tls(new.tls), server_tls(new.tls)
         if new.listen_addr != self.config.listen_addr:
             event("listen_addr changed; takes effect on restart", logging.WARNING)
         if (new.admin.listen_addr, new.admin.enabled) != (
@@ -306,7 +301,6 @@ class Proxy:
                 pool.use_settings(new.pool_settings(target, pool.server_user))
                 pool.check_delay = new.timeouts.server_check_delay
         event("config reloaded", path=self.config_path or "", databases=len(self.targets))
-        return True
 
     async def _janitor_loop(self) -> None:
         while True:

@@ -158,10 +158,10 @@ def reload(proxy: Proxy) -> s.ReloadResult:
     if path is None:
         raise ApiError(409, "no_config_file", "the proxy was started without a config file")
     try:
-        load_config(path)  # the proxy would only log this; the caller wants to know
-    except ConfigError as exc:
+        proxy.apply_config(load_config(path))
+    except ConfigError as exc:  # (said to the caller, and logged as a SIGHUP's would be)
+        event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
         raise ApiError(400, "invalid_config", f"config not reloaded: {exc}") from None
-    proxy.reload()
     return s.ReloadResult(reloaded=True, config_path=str(path), databases=sorted(proxy.targets))
 
 

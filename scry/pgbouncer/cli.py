@@ -264,9 +264,9 @@ async def serve(  # type: ignore[no-untyped-def]
     verbose: int = 0,
 ) -> int:
     """Run a proxy from a pgbouncer.ini config with PgBouncer's signals."""
+    from scry.config import ConfigError
     from scry.pgbouncer.commands import resume_all
     from scry.pgbouncer.console import reload_pgbouncer_config, remove_unix_socket, state_for
-    from scry.pgbouncer.ini import IniError
     from scry.proxy import Proxy, freeze_startup_heap
     from scry.workers import join_instance
 
@@ -291,7 +291,7 @@ async def serve(  # type: ignore[no-untyped-def]
     def apply_ini() -> None:
         try:
             reload_pgbouncer_config(proxy)
-        except IniError as exc:
+        except ConfigError as exc:  # (an IniError, or one it cannot apply)
             event("reload failed; keeping the running config", logging.ERROR, error=str(exc))
 
     def reload() -> None:

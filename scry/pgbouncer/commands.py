@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from scry.config import ConfigError
 from scry.log import event
 from scry.pgbouncer.results import ADMIN_DB, READY, ConsoleError, error, num_id, ok
 from scry.pgbouncer.state import autodb_target, state_for
@@ -23,7 +24,6 @@ from scry.protocol.errors import PROTOCOL_VIOLATION
 from scry.server import ServerConnection
 
 if TYPE_CHECKING:
-    from scry.config import Config
     from scry.pgbouncer.dispatch import AdminConsole
     from scry.pool import Pool
     from scry.proxy import Proxy
@@ -33,7 +33,7 @@ def set_setting(console: AdminConsole, key: str, value: str) -> bytes:
     """SET key = value: change a ``changeable`` [pgbouncer] key and apply it as RELOAD."""
     if not console.admin:
         raise ConsoleError("admin access needed")
-    from scry.pgbouncer.ini import PGBOUNCER_KEYS, IniError
+    from scry.pgbouncer.ini import PGBOUNCER_KEYS
 
     spec = PGBOUNCER_KEYS.get(key.lower())
     if spec is None or not spec.changeable:
@@ -43,7 +43,7 @@ def set_setting(console: AdminConsole, key: str, value: str) -> bytes:
     console.state.overrides[key.lower()] = value
     try:
         reload_pgbouncer_config(console.proxy)
-    except (IniError, RuntimeError) as exc:
+    except (ConfigError, RuntimeError) as exc:  # (IniError is a ConfigError)
         if previous is None:
             console.state.overrides.pop(key.lower(), None)
         else:
@@ -318,7 +318,8 @@ COMMANDS: dict[str, Callable[[AdminConsole, str, str], Any]] = {
 
 def reload_pgbouncer_config(proxy: Proxy) -> list[str]:
     """Re-read the pgbouncer.ini (plus SET overrides) and apply it; returns the
-    warnings not reported before. Raises IniError when the file is unusable."""
+    warnings not reported before. Raises IniError when the file is unusable,
+    ConfigError when what it says cannot be applied (nothing changed then)."""
     from scry.pgbouncer.ini import IniError, load_pgbouncer_config
 
     state = state_for(proxy)
@@ -326,33 +327,9 @@ def reload_pgbouncer_config(proxy: Proxy) -> list[str]:
     if compat is None or not compat.conffile:
         raise IniError("no pgbouncer.ini to reload")
     config, warnings = load_pgbouncer_config(compat.conffile, state.overrides)
-    apply_config(proxy, config)
+    proxy.apply_config(config)
     fresh = [w for w in warnings if w not in state.warned]
     for warning in fresh:
         state.warned.add(warning)
         event(warning, logging.WARNING)
     return fresh
-
-
-def apply_config(proxy: Proxy, config: Config) -> None:
-    """Apply a new Config to a running proxy, as its own reload does.
-
-    Uses ``Proxy.apply_config`` when the proxy has it. Otherwise the proxy's
-    file reload is run with this Config in place of the file (Proxy.reload
-    reads ``scry.proxy.load_config``): a stopgap until the proxy takes a loader.
-    """
-    apply = getattr(proxy, "apply_config", None)
-    if callable(apply):
-        apply(config)
-        return
-    import scry.proxy as proxy_module
-
-    original = proxy_module.load_config
-    saved_path = proxy.config_path
-    proxy_module.load_config = lambda *_a, **_k: config  # type: ignore[assignment]
-    proxy.config_path = proxy.config_path or "pgbouncer.ini"
-    try:
-        proxy.reload()
-    finally:
-        proxy_module.load_config = original
-        proxy.config_path = saved_path

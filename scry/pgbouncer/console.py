@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from scry.log import event
-from scry.pgbouncer.commands import apply_config, reload_pgbouncer_config
+from scry.pgbouncer.commands import reload_pgbouncer_config
 from scry.pgbouncer.dispatch import AdminConsole
 from scry.pgbouncer.results import ADMIN_DB
 from scry.pgbouncer.session import ConsoleSession
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from scry.proxy import Proxy
 
 __all__ = [
-    "AdminConsole", "ConsoleSession", "ConsoleState", "apply_config", "reload_pgbouncer_config",
+    "AdminConsole", "ConsoleSession", "ConsoleState", "reload_pgbouncer_config",
     "drop_unix_sockets", "remove_unix_socket", "route_login", "start_unix_listener", "state_for",
 ]  # fmt: skip
 

@@ -288,6 +288,10 @@ def test_reload_and_pause(scry_proxy) -> None:
     proxy.config_path.write_text(good + "\nno_such_key: 1\n")
     failed = post(base, "/api/v1/reload", status=400)
     assert failed["code"] == "invalid_config" and "no_such_key" in failed["message"]
+    # Valid, but it cannot be applied: not reloaded either, and said so.
+    proxy.config_path.write_text(good + "\nauth:\n  type: md5\n  auth_file: /nonexistent/u.txt\n")
+    failed = post(base, "/api/v1/reload", status=400)
+    assert failed["code"] == "invalid_config" and "/nonexistent/u.txt" in failed["message"]
     proxy.config_path.write_text(good)
 
     with connect(proxy) as conn:

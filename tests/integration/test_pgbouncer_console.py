@@ -74,6 +74,19 @@ def test_every_view_answers(scry_bouncer: Bouncer) -> None:
         assert conn.execute("SET client_encoding = 'UTF8'", prepare=False).statusmessage == "SET"
 
 
+def test_a_set_that_cannot_be_applied_fails_and_is_forgotten(scry_bouncer: Bouncer) -> None:
+    """An auth_file that cannot be read: SET fails (nothing changed), and the
+    next SET and RELOAD apply as if it had never been said."""
+    b = scry_bouncer
+    assert b.admin("SET auth_file = '/nonexistent/userlist.txt'")[1:] == ("08P01", "SET failed")
+    assert b.admin("SET default_pool_size = 9")[2] == "SET default_pool_size=9"
+    assert b.admin("RELOAD")[2] == "RELOAD"
+    columns, rows, _ = b.admin("SHOW DATABASES")
+    names = [name for name, _type in columns]
+    app = next(row for row in rows if row[names.index("name")] == "app")
+    assert app[names.index("pool_size")] == 9
+
+
 def test_suspend_resume(scry_bouncer: Bouncer) -> None:
     b = scry_bouncer
     with b.connect() as conn:

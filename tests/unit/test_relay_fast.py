@@ -409,7 +409,7 @@ def test_a_reloaded_server_check_delay_reaches_the_fast_acquire(
     first.data_received(m.query("SELECT 1"))
     assert first.server is rig.servers[1] and python == []
     timeouts = rig.proxy.config.timeouts.model_copy(update={"server_check_delay": 5})
-    assert rig.proxy.apply_config(rig.proxy.config.model_copy(update={"timeouts": timeouts}))
+    rig.proxy.apply_config(rig.proxy.config.model_copy(update={"timeouts": timeouts}))
     assert rig.pool.check_delay == 5
     second.data_received(m.query("SELECT 2"))  # idle 10 s > 5 s: the pool checks it first
     assert python == ["acquire"] and second.server is None
