@@ -271,6 +271,12 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
                 break
             else:  # CopyDone / CopyFail
                 self._close_copy_window()
+        if self.transaction_pooling and not terminate and self._named_parse_begun(out):
+            # A Parse longer than this chunk, named (or its name not read yet):
+            # rewritten as a whole message, before any of it is forwarded.
+            parse_start = len(out) - 5 - self._scanner.partial_message()[1]  # type: ignore[index]
+            if self._start_rewriting(out, parse_start, owed, texts):
+                return
         self.ordinal += owed
         if texts:
             if len(texts) == 1:
@@ -295,6 +301,17 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             self._enter_message_mode()
         if terminate:
             self._cleanup("client closed")
+
+    def _named_parse_begun(self, out: bytes) -> bool:
+        """Does ``out`` end with the beginning of a Parse of a named statement
+        (or one whose name has not arrived yet)?"""
+        partial = self._scanner.partial_message()
+        if partial is None or partial[0] != _PARSE:
+            return False
+        gathered = partial[1]
+        start = len(out) - 5 - gathered
+        # (A Parse begun in an earlier chunk was forwarded then: too late here.)
+        return start >= 0 and (gathered == 0 or out[start + 5] != 0)
 
     def _relay_query(self, out: bytes, body: bytes) -> None:
         """:meth:`_relay` for the commonest chunk by far: one simple Query, whole
@@ -338,6 +355,10 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             self.transport.pause_reading()
         if self.state is READY:
             self._get_server()
+            if self._paused_waiting and self.server is not None:
+                # A server at once (no wait for attach() to end): read again.
+                self._paused_waiting = False
+                self._update_reading()
 
     def _close_copy_window(self) -> None:
         """CopyDone or CopyFail: PostgreSQL may have ignored the Syncs sent since

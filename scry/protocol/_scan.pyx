@@ -99,6 +99,13 @@ cdef class MessageScanner:
         """True when the stream so far ends exactly between two messages."""
         return self._remaining == 0 and PyBytes_GET_SIZE(self._held) == 0
 
+    def partial_message(self):
+        """(type, body bytes gathered so far) of a wanted message begun in the
+        stream and not complete yet (up to max_collect); None if there is none."""
+        if self._remaining == 0 or self._collect is None:
+            return None
+        return self._kind, len(self._collect)
+
     def detach(self):
         """Stop scanning: return the held-back partial header and reset."""
         held = self._held

@@ -148,6 +148,13 @@ class PyMessageScanner:
         """True when the stream so far ends exactly between two messages."""
         return not self._remaining and not self._held
 
+    def partial_message(self) -> tuple[int, int] | None:
+        """(type, body bytes gathered so far) of a wanted message begun in the
+        stream and not complete yet (up to max_collect); None if there is none."""
+        if not self._remaining or self._collect is None:
+            return None
+        return self._kind, len(self._collect)
+
     def detach(self) -> bytes:
         """Stop scanning: return the held-back partial header and reset."""
         held = self._held

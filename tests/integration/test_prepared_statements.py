@@ -18,6 +18,7 @@ import asyncpg
 import psycopg
 import psycopg.errors
 import pytest
+from rawpg import SYNC, Raw, bind, data_row, execute, fields, kinds, parse, q
 
 PGBENCH = "/usr/bin/pgbench"
 
@@ -284,6 +285,31 @@ async def test_asyncpg_select_star_after_add_column(scry_proxy, pg, mode: str) -
     finally:
         await conn.close()
         await admin.close()
+
+
+@pytest.mark.parametrize("pad", [100, 150_000, 600_000])
+def test_a_named_parse_longer_than_a_read_is_rewritten(scry_proxy, pad: int) -> None:
+    """A Parse arriving in several reads (a long statement) is rewritten like a
+    short one: it runs on whichever server the client gets next, and its
+    name is never left on a server for another client to collide with."""
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}, "auth": {"type": "trust"}})
+    text = "select 42 /* " + "x" * pad + " */"
+    a, c = Raw(proxy.port), Raw(proxy.port)
+    try:
+        a.send(parse(text, name="st"), SYNC)
+        assert kinds(a.until_ready()) == "1Z"
+        c.send(parse(text, name="st"), SYNC)  # the same name, on the same one server
+        answer = c.until_ready()
+        assert kinds(answer) == "1Z", [fields(body) for kind, body in answer if kind == "E"]
+        a.send(bind(stmt="st"), execute(), SYNC)
+        assert [data_row(body) for kind, body in a.until_ready() if kind == "D"] == [["42"]]
+        # Read whole (rewriting), a message longer than a client may queue
+        # while it has no server still gets one, and the client is read again.
+        a.send(q(text))
+        assert [data_row(body) for kind, body in a.until_ready() if kind == "D"] == [["42"]]
+    finally:
+        a.close()
+        c.close()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -439,3 +439,18 @@ def test_compiled_scanner_says_what_the_python_one_says(
 
 def test_the_relay_uses_the_compiled_scanner_when_built() -> None:
     assert MessageScanner is (framing._CompiledScanner or PyMessageScanner)
+
+
+@pytest.mark.parametrize("scanner", [MessageScanner, PyMessageScanner])
+def test_partial_message_says_what_is_begun_and_how_much_of_it(scanner) -> None:
+    s = scanner((b"P",), mark=(b"B",))
+    parse = b"P" + struct.pack("!I", 4 + 9) + b"st\0select"
+    assert s.partial_message() is None
+    s.feed(b"S\0\0\0\x04" + parse[:8])  # a whole Sync, then a Parse's header and 3 bytes
+    assert s.partial_message() == (ord("P"), 3)
+    s.feed(parse[8:12])
+    assert s.partial_message() == (ord("P"), 7)
+    _, events = s.feed(parse[12:])
+    assert s.partial_message() is None and events == [(ord("P"), 2, b"st\0select")]
+    s.feed(b"X\0\0\0\x10")  # an unwanted message begun: nothing gathered
+    assert s.partial_message() is None
