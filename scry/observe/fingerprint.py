@@ -42,6 +42,7 @@ from pglast.parser import ParseError
 from scry.observe.anonymize import Anonymizer
 from scry.observe.lexer import (
     PLACEHOLDER,
+    before_first_value,
     canonical,
     literal_spans,
     render,
@@ -275,7 +276,11 @@ class Fingerprinter:
             statements = pglast.parse_sql(text)
             normalized_raw = pglast.parser.normalize(text)
         except (ParseError, ValueError, RecursionError):
-            return _shape(canonical(text), render(text, None), tables_by_lexer(text), False, {})
+            # Shown (and its tables named) only up to its first value: see
+            # lexer.before_first_value. The fingerprint still hashes it all.
+            shown, cut = before_first_value(text)
+            display = render(shown, None) + (" ..." if cut else "")
+            return _shape(canonical(text), display, tables_by_lexer(shown), False, {})
         tables, columns = _tables_and_lookups(statements)
         # normalize() leaves literals in utility statements (SET, COPY, DDL):
         # render() hashes those when anonymizing.

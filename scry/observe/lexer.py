@@ -314,6 +314,23 @@ def render(text: str, literal: Callable[[str, str], str] | None) -> str:
     return "".join(out)
 
 
+def before_first_value(text: str) -> tuple[str, bool]:
+    """The tokens of ``text`` before its first literal or quoted identifier
+    (comments dropped), and whether anything came after them.
+
+    For a statement PostgreSQL's parser refused: past a quote that does not
+    pair up (an unescaped apostrophe, 'O'Brien', or an unterminated "name),
+    the lexer cannot tell values from words, so nothing from there is shown.
+    """
+    kept: list[str] = []
+    for kind, value in tokenize(text):
+        if kind in _LITERAL_KINDS or kind == "qident":
+            return " ".join(kept), True
+        if kind != "comment":
+            kept.append(value)
+    return " ".join(kept), False
+
+
 def _space_between(prev: tuple[str, str], nxt: tuple[str, str]) -> bool:
     # Keep "t.a", "f(x)", "a, b", "x::int" tight; everything else one space.
     if prev[1] in ("(", "[", ".", "::") or nxt[1] in (",", ")", "]", ";", ".", "::"):

@@ -104,6 +104,7 @@ def test_unparsable_sql_gets_a_stable_fingerprint(fp: Fingerprinter) -> None:
     assert not a.parsed
     assert a.fingerprint == b.fingerprint != c.fingerprint
     assert "secret" not in a.normalized and "12" not in a.normalized
+    assert a.normalized == "SELEC broken FROM t WHERE x = ..."
     assert a.tables == ("t",)
     assert Fingerprinter(None).fingerprint(
         "SELEC broken FROM t WHERE x = 1 AND y = 2"
@@ -307,6 +308,27 @@ def test_drain_fingerprints_agree_with_postgres(texts: list[str]) -> None:
         for j in range(i + 1, len(texts)):
             if ours[i] == ours[j]:
                 assert theirs[i] == theirs[j], (texts[i], texts[j])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "INSERT INTO people (name, note) VALUES ('O'Brien', 'canary note')",  # unescaped '
+        "SELECT \"name FROM t WHERE ssn = 'canary'",  # unterminated quoted identifier
+        "UPDATE t SET a = 'it's canary' WHERE id = 1",
+        "SELEC canary_word",  # no value at all: shown whole
+    ],
+)
+def test_a_refused_statement_is_shown_only_up_to_its_first_value(
+    fp: Fingerprinter, text: str
+) -> None:
+    shape = fp.fingerprint(text)
+    assert not shape.parsed
+    if "'" in text or '"' in text:
+        assert "canary" not in shape.normalized and shape.normalized.endswith(" ...")
+        assert not any("canary" in table for table in shape.tables)
+    else:
+        assert shape.normalized == "SELEC canary_word"
 
 
 def test_cached_shape_never_parses(fp: Fingerprinter) -> None:
