@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from time import perf_counter_ns
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from admin import schemas as s
@@ -288,7 +289,12 @@ def pin_info(proxy: Proxy, client: ClientConnection, clock: Clock) -> s.PinInfo 
     if tracker is None or not tracker.pinned:
         return None
     described = tracker.state.describe()
-    anonymize = proxy.observatory.anonymizer.anonymize_sql
+    observatory = proxy.observatory
+    # As the ranking shows statements: PostgreSQL's parser turns a value
+    # written as a name (SET x = secret) into $n, which the lexer cannot.
+    anonymize = observatory.anonymizer.anonymize_sql
+    if observatory.anonymize:
+        anonymize = _normalized_by(observatory.fingerprinter)
     server = client.server
     since = tracker.pinned_since or None
     return s.PinInfo(
@@ -313,6 +319,10 @@ def pin_info(proxy: Proxy, client: ClientConnection, clock: Clock) -> s.PinInfo 
         statements=[_anonymized(anonymize, text) for text in described["statements"]],
         pinned_by={r: _anonymized(anonymize, t) for r, t in described["pinned_by"].items()},
     )
+
+
+def _normalized_by(fingerprinter: Any) -> Callable[[str], str]:
+    return lambda text: fingerprinter.fingerprint(text).normalized
 
 
 def _anonymized(anonymize: Any, text: str) -> str:

@@ -142,6 +142,7 @@ def test_pins_force_unpin_keeps_the_session(scry_proxy) -> None:
     proxy, base = start_admin_proxy(scry_proxy)
     with connect(proxy) as conn, connect(proxy) as other:
         conn.execute("SET statement_timeout = '5s'")
+        conn.execute(f"SET myapp.token = {CANARY.replace('-', '_')}")  # a value written as a name
         other.execute("CREATE TEMP TABLE scratch (x int)")
         pins = {p["client_id"]: p for p in get(base, "/api/v1/pins")["pins"]}
         assert len(pins) == 2
@@ -150,9 +151,11 @@ def test_pins_force_unpin_keeps_the_session(scry_proxy) -> None:
         temp_pin = by_reason[("temp_table",)]
         assert set_pin["replayable"] and not temp_pin["replayable"]
         assert set_pin["holding_server"] and set_pin["server_id"]
-        assert set_pin["settings"] == ["statement_timeout"]
+        assert sorted(set_pin["settings"]) == ["myapp.token", "statement_timeout"]
         # Statements are anonymized: the literal never leaves the process.
         assert set_pin["statements"] and "'5s'" not in str(set_pin)  # (a token may hold "5s")
+        assert CANARY.replace("-", "_") not in str(set_pin)
+        assert "SET myapp.token = $1" in set_pin["statements"]
         assert set_pin["since"] <= time.time() and set_pin["pinned_s"] >= 0
         assert get(base, "/api/v1/pools")["pools"][0]["pinned"] == 2
         metrics = httpx.get(f"{base}/metrics", headers=AUTH).text
