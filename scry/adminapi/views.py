@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import time
-from time import perf_counter_ns
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 from admin import schemas as s
@@ -289,12 +289,7 @@ def pin_info(proxy: Proxy, client: ClientConnection, clock: Clock) -> s.PinInfo 
     if tracker is None or not tracker.pinned:
         return None
     described = tracker.state.describe()
-    observatory = proxy.observatory
-    # As the ranking shows statements: PostgreSQL's parser turns a value
-    # written as a name (SET x = secret) into $n, which the lexer cannot.
-    anonymize = observatory.anonymizer.anonymize_sql
-    if observatory.anonymize:
-        anonymize = _normalized_by(observatory.fingerprinter)
+    anonymize = _anonymizer_of(proxy.observatory)
     server = client.server
     since = tracker.pinned_since or None
     return s.PinInfo(
@@ -321,8 +316,13 @@ def pin_info(proxy: Proxy, client: ClientConnection, clock: Clock) -> s.PinInfo 
     )
 
 
-def _normalized_by(fingerprinter: Any) -> Callable[[str], str]:
-    return lambda text: fingerprinter.fingerprint(text).normalized
+def _anonymizer_of(observatory: Any) -> Callable[[str], str]:
+    """Statements as the ranking shows them (PostgreSQL's parser makes a value
+    written as a name, SET x = secret, a $n: the lexer cannot), with any
+    literal left hashed, whatever observability.anonymize says."""
+    normalized = observatory.fingerprinter.fingerprint
+    hashed = observatory.anonymizer.anonymize_sql
+    return lambda text: hashed(normalized(text).normalized)
 
 
 def _anonymized(anonymize: Any, text: str) -> str:
