@@ -142,6 +142,10 @@ class SessionTracker:
             statement = text.rstrip(b"\x00").decode("utf-8", "replace")
             if sqlstate is not None:
                 state.apply_failed(effects, statement)
+                if _resets_server(effects):
+                    # DEALLOCATE is not transactional, and the error may have come
+                    # before it or after: what the server holds is unknown now.
+                    server.retire_because("a failed query held DISCARD or DEALLOCATE")
             else:
                 state.apply(effects, in_transaction=status != _TX_IDLE, statement=statement)
                 self._server_side_effects(effects, server)
@@ -152,7 +156,7 @@ class SessionTracker:
 
     def _server_side_effects(self, effects: tuple[Effect, ...], server: ServerConnection) -> None:
         for effect in effects:
-            if effect.op == "unpin_all" or (effect.reason == "prepare" and effect.key is None):
+            if _resets_server((effect,)):
                 # DISCARD ALL / DEALLOCATE ALL also dropped scry's own statements.
                 server.statements.forget_all()
             if effect.op == "unpin_all":
@@ -185,6 +189,11 @@ class SessionTracker:
 
     def replay_sql(self) -> str:
         return ";".join(self.state.replay_statements())
+
+
+def _resets_server(effects: tuple[Effect, ...]) -> bool:
+    """DISCARD ALL or DEALLOCATE ALL among ``effects`` (scry's own statements go too)."""
+    return any(e.op == "unpin_all" or (e.reason == "prepare" and e.key is None) for e in effects)
 
 
 # The statements whose effect on the server itself scry must follow: DISCARD

@@ -244,7 +244,7 @@ class Pool(PoolCore):
             server.close("released while not idle")
             return
         if server.retire or self.stale:
-            reason = "config changed" if self.stale else "server_lifetime"
+            reason = "config changed" if self.stale else server.retire_reason or "server_lifetime"
             server.close(connection_limits.EVICTED if server.evicted else reason)
             self._open_for_waiters()
             return

@@ -128,7 +128,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         "_exit_timer", "_login_waiter", "_reader", "_tls_answer", "backend_pid", "backend_secret",
         "close_reason", "copy_early", "copy_window", "created_at", "evicted", "id",
         "internal_error_fields", "internal_rows", "local_addr", "address", "params", "proxy",
-        "release_after_cancel", "tls", "__weakref__"
+        "release_after_cancel", "retire_reason", "tls", "__weakref__"
     )  # fmt: skip
 
     def __init__(self, pool: Pool, address: tuple[str, int] | None = None) -> None:
@@ -147,6 +147,7 @@ class ServerConnection(ServerCore, asyncio.Protocol):
         self.created_at = time.monotonic()
         self.last_used = self.created_at
         self.close_reason = ""
+        self.retire_reason = ""  # why retire was set, if not server_lifetime
         self.local_addr = ""
         # (host, port) to connect to: one of the target's (Pool._open_server).
         self.address = address or pool.target.hosts[0]
@@ -778,6 +779,11 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                 self.swallow += 1
                 self.transport.write(m.query(sql))  # type: ignore[union-attr]
         self.applied = wanted
+
+    def retire_because(self, reason: str) -> None:
+        """Close this server instead of reusing it, once its client gives it back."""
+        self.retire = True
+        self.retire_reason = reason
 
     def unlink(self) -> None:
         self.client = None

@@ -287,6 +287,32 @@ async def test_asyncpg_select_star_after_add_column(scry_proxy, pg, mode: str) -
         await admin.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_deallocate_all_costs_the_server_not_anothers_statements(
+    scry_proxy, mode: str
+) -> None:
+    """DEALLOCATE ALL, then an error, in one Query: PostgreSQL dropped the
+    statements (DEALLOCATE is not transactional), and whether it ran before
+    the error cannot be told. The server is closed when given back, so
+    another client's statement is parsed again on the next one."""
+    proxy = scry_proxy({"pool": {"mode": mode, "size": 1}, "auth": {"type": "trust"}})
+    c, a = Raw(proxy.port), Raw(proxy.port)
+    try:
+        c.send(parse("select 7", name="mine"), bind(stmt="mine"), execute(), SYNC)
+        assert kinds(c.until_ready()) == "12DCZ"
+        a.send(q("deallocate all; select 1/0"))
+        assert kinds(a.until_ready()) == "CEZ"
+        a.send(q("select 1"))
+        a.until_ready()
+        c.send(bind(stmt="mine"), execute(), SYNC)
+        answer = c.until_ready()
+        assert kinds(answer) == "2DCZ", [fields(body) for kind, body in answer if kind == "E"]
+    finally:
+        a.close()
+        c.close()
+    assert "a failed query held DISCARD or DEALLOCATE" in proxy.log_text()
+
+
 @pytest.mark.parametrize("pad", [100, 150_000, 600_000])
 def test_a_named_parse_longer_than_a_read_is_rewritten(scry_proxy, pad: int) -> None:
     """A Parse arriving in several reads (a long statement) is rewritten like a
