@@ -415,6 +415,10 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         self._queued_owed = 0
         self._queued_bytes = 0
         self.inflight.clear()
+        self.answered += owed  # (these ReadyForQuery are scry's; nothing ran)
+        tracker = self.tracker
+        if tracker is not None and tracker.work:
+            tracker.never_ran(self.answered)
         answer = m.error_response(sqlstate, text) + m.ready_for_query()
         self.transport.write(answer * owed)
 

@@ -115,6 +115,12 @@ class SessionTracker:
             self.queued.append((ordinal, pending[0], pending[1]))
             self.work = True
 
+    def never_ran(self, answered: int) -> None:
+        """The requests up to ReadyForQuery number ``answered`` were refused
+        before any server saw them (the breaker): their effects never happened."""
+        self.queued = [entry for entry in self.queued if entry[0] > answered]
+        self.work = bool(self.queued) or self.state.tentative
+
     # --- fed by the server relay ----------------------------------------------------
 
     def settle(

@@ -232,6 +232,21 @@ def test_breaker_trip_fails_fast_and_reset(scry_proxy) -> None:
         assert conn.execute("select 1").fetchone() == (1,)
 
 
+def test_a_set_the_breaker_refused_never_pins(scry_proxy) -> None:
+    """The client was told its SET failed (57P03): it must not be tracked as
+    run, pinning the client and replayed on its next server."""
+    proxy, base = start_admin_proxy(scry_proxy)
+    with connect(proxy) as conn:
+        conn.execute("select 1")
+        post(base, "/api/v1/breaker/trip", database="app")
+        with pytest.raises(psycopg.errors.CannotConnectNow):
+            conn.execute("SET statement_timeout = '1234ms'")
+        post(base, "/api/v1/breaker/reset")
+        assert conn.execute("select 1").fetchone() == (1,)
+        assert get(base, "/api/v1/pins")["pins"] == []
+        assert conn.execute("show statement_timeout").fetchone() == ("0",)
+
+
 def test_authorization(scry_proxy) -> None:
     _, base = start_admin_proxy(scry_proxy)
     assert httpx.get(f"{base}/healthz").status_code == 200
