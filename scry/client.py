@@ -409,8 +409,15 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
     def _reject_queued(self, sqlstate: str, text: str) -> None:
         """Answer every queued request with an error instead of running it (breaker open)."""
         owed = self._queued_owed
-        if owed <= 0:
-            return  # nothing waits for an answer yet; decide when the Sync comes
+        if owed <= 0 or (self._messages is None and not self._scanner.at_boundary):
+            # Nothing to answer yet, or the queue ends with the head of a message
+            # whose tail is still to come: decide once it is whole (dropping the
+            # head alone would send PostgreSQL a headless tail later). Read on
+            # meanwhile: none of it will wait for a server.
+            if self._paused_waiting:
+                self._paused_waiting = False
+                self._update_reading()
+            return
         self._queue.clear()
         self._queued_owed = 0
         self._queued_bytes = 0
@@ -555,15 +562,17 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         server.close(f"{why} (server_fast_close)")
         self.fatal(ADMIN_SHUTDOWN, f"terminating the session: {why} (server_fast_close)")
 
-    def detach_idle_server(self) -> ServerConnection | None:
-        """Give up our server while between transactions (the pool wants it)."""
+    def detach_idle_server(self, *, starting: bool = False) -> ServerConnection | None:
+        """Give up our server while between transactions (the pool wants it).
+        ``starting``: the client began a new transaction in bytes not forwarded
+        yet (unparking), so where its stream stands now does not matter."""
         server = self.server
         if (
             server is None
             or self.state is not READY
             or server.cancels_pending
             or not server.clean
-            or not self._at_boundary()
+            or not (starting or self._at_boundary())
             or (self.tracker is not None and self.tracker.pinned)
         ):
             return None
@@ -596,8 +605,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         pool.parked.pop(self, None)
         if pool.breaker.state is not BREAKER_CLOSED or pool.paused:
             # New transactions must pass the breaker: give the server back and
-            # take the ordinary path, which asks it.
-            server = self.detach_idle_server()
+            # take the ordinary path, which asks it (even when this chunk holds
+            # only the head of the first message).
+            server = self.detach_idle_server(starting=True)
             if server is not None:
                 pool.release(server)
 

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from rawpg import Raw, fields, kinds, q
 
 from scry.devcluster import free_port
 
@@ -245,6 +246,32 @@ def test_a_set_the_breaker_refused_never_pins(scry_proxy) -> None:
         assert conn.execute("select 1").fetchone() == (1,)
         assert get(base, "/api/v1/pins")["pins"] == []
         assert conn.execute("show statement_timeout").fetchone() == ("0",)
+
+
+def test_the_breaker_answers_a_message_once_it_is_whole(scry_proxy) -> None:
+    """A Query, then the head of the next one, while the breaker is open: the
+    refusal waits for the rest (the head alone must not be dropped and its
+    tail sent on later); a Query larger than a waiting client may queue is
+    still read to its end and refused."""
+    proxy, base = start_admin_proxy(
+        scry_proxy, pool={"mode": "transaction", "size": 2}, auth={"type": "trust"}
+    )
+    client = Raw(proxy.port)
+    try:
+        client.send(q("select 1"))
+        client.until_ready()
+        post(base, "/api/v1/breaker/trip", database="app")
+        second = q("select 2 /* " + "x" * 1000 + " */")
+        client.send(q("select 1"), second[:100])
+        post(base, "/api/v1/breaker/reset")
+        client.send(second[100:])
+        assert kinds(client.until_ready() + client.until_ready()) == "TDCZTDCZ"
+        post(base, "/api/v1/breaker/trip", database="app")
+        client.send(q("select 3 /* " + "x" * 2_000_000 + " */"))
+        answer = client.until_ready()
+        assert kinds(answer) == "EZ" and fields(answer[0][1])["C"] == "57P03"
+    finally:
+        client.close()
 
 
 def test_authorization(scry_proxy) -> None:
