@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import yaml
 from pydantic import (
@@ -691,7 +691,9 @@ def _parse_database_url(url: str) -> _ParsedUrl:
     except ValueError as exc:
         raise ValueError(f"not a valid URL ({exc})") from None
     if parts.scheme not in ("postgres", "postgresql"):
-        raise ValueError(f"expected a postgres:// or postgresql:// URL, found {_mask_url(url)!r}")
+        raise ValueError(
+            f"expected a postgres:// or postgresql:// URL, found {redact_secrets(url)!r}"
+        )
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
     # libpq lets connection parameters live in the query string too.
     user = params.pop("user", None) or (unquote(parts.username) if parts.username else None)
@@ -747,7 +749,7 @@ def _authority_hosts(hostinfo: str, url: str) -> list[tuple[str, int | None]]:
         if item.startswith("["):  # an IPv6 literal
             host, _, rest = item[1:].partition("]")
             if rest and not rest.startswith(":"):
-                raise ValueError(f"bad host {item!r} in {_mask_url(url)!r}")
+                raise ValueError(f"bad host {item!r} in {redact_secrets(url)!r}")
             port = rest[1:]
         elif ":" in item:
             host, _, port = item.rpartition(":")
@@ -764,9 +766,10 @@ def _port(text: str) -> int:
     return int(text)
 
 
-# A URL's password (even one cut short by an unencoded "/" or "#") and a
-# conninfo's or query's password=/sslpassword=, in text about to be shown.
-_URL_PASSWORD = re.compile(r"(://[^\s/@:'\"]*:)[^\s@'\"]*@")
+# A URL's password (up to the authority's last "@", even one an unencoded "/"
+# or "@" cut short for urlsplit) and a conninfo's or query's password= and
+# sslpassword= (libpq's names), in text about to be shown.
+_URL_PASSWORD = re.compile(r"(://[^\s/@:'\"]*:)[^\s'\"]*@")
 _KEY_PASSWORD = re.compile(r"((?:ssl)?password\s*=\s*)('(?:[^']|'')*'|[^\s&;'\"]+)", re.IGNORECASE)
 
 
@@ -774,31 +777,6 @@ def redact_secrets(text: str) -> str:
     """``text`` (a config value or line quoted in an error) with what looks
     like a password replaced by ``***``."""
     return _KEY_PASSWORD.sub(rf"\1{MASK}", _URL_PASSWORD.sub(rf"\1{MASK}@", text))
-
-
-#: Query parameters of a database URL that are secrets (libpq's names).
-_QUERY_SECRETS = frozenset({"password", "sslpassword"})
-
-
-def _mask_url(url: str) -> str:
-    """The URL with its password (in the authority or the query) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return MASK
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:{MASK}@{hostinfo}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(k in _QUERY_SECRETS for k, _ in pairs):
-            query = urlencode(
-                [(k, MASK if k in _QUERY_SECRETS else v) for k, v in pairs], safe="*/"
-            )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 # --------------------------------------------------------------------------- #
@@ -1001,12 +979,12 @@ class Config(_Model):
         """The effective config as plain data, with every secret replaced by ``***``."""
         data = self.model_dump(mode="json")
         if data.get("database_url"):
-            data["database_url"] = _mask_url(data["database_url"])
+            data["database_url"] = redact_secrets(data["database_url"])
         for db in data.get("databases", {}).values():
-            db["database_url"] = _mask_url(db["database_url"])
+            db["database_url"] = redact_secrets(db["database_url"])
         if (data.get("pgbouncer") or {}).get("autodb"):
             autodb = data["pgbouncer"]["autodb"]
-            autodb["database_url"] = _mask_url(autodb["database_url"])
+            autodb["database_url"] = redact_secrets(autodb["database_url"])
         if data["admin"].get("token") is not None:
             data["admin"]["token"] = MASK
         if data["observability"].get("anonymize_key") is not None:
