@@ -271,11 +271,11 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
                 break
             else:  # CopyDone / CopyFail
                 self._close_copy_window()
-        if self.transaction_pooling and not terminate and self._named_parse_begun(out):
+        if self.transaction_pooling and not terminate:
             # A Parse longer than this chunk, named (or its name not read yet):
             # rewritten as a whole message, before any of it is forwarded.
-            parse_start = len(out) - 5 - self._scanner.partial_message()[1]  # type: ignore[index]
-            if self._start_rewriting(out, parse_start, owed, texts):
+            parse_start = self._named_parse_start(out)
+            if parse_start >= 0 and self._start_rewriting(out, parse_start, owed, texts):
                 return
         self.ordinal += owed
         if texts:
@@ -302,16 +302,16 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         if terminate:
             self._cleanup("client closed")
 
-    def _named_parse_begun(self, out: bytes) -> bool:
-        """Does ``out`` end with the beginning of a Parse of a named statement
-        (or one whose name has not arrived yet)?"""
+    def _named_parse_start(self, out: bytes) -> int:
+        """Where in ``out`` a Parse of a named statement (or one whose name has
+        not arrived yet) begins that ``out`` ends without completing; -1 if none."""
         partial = self._scanner.partial_message()
         if partial is None or partial[0] != _PARSE:
-            return False
+            return -1
         gathered = partial[1]
         start = len(out) - 5 - gathered
         # (A Parse begun in an earlier chunk was forwarded then: too late here.)
-        return start >= 0 and (gathered == 0 or out[start + 5] != 0)
+        return start if start >= 0 and (gathered == 0 or out[start + 5] != 0) else -1
 
     def _relay_query(self, out: bytes, body: bytes) -> None:
         """:meth:`_relay` for the commonest chunk by far: one simple Query, whole

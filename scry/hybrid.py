@@ -161,12 +161,11 @@ class SessionTracker:
             server.proxy.observatory.metrics.count_pin(state.reasons())
 
     def _server_side_effects(self, effects: tuple[Effect, ...], server: ServerConnection) -> None:
-        for effect in effects:
-            if _resets_server((effect,)):
-                # DISCARD ALL / DEALLOCATE ALL also dropped scry's own statements.
-                server.statements.forget_all()
-            if effect.op == "unpin_all":
-                server.applied = {}
+        if _resets_server(effects):
+            # DISCARD ALL / DEALLOCATE ALL also dropped scry's own statements.
+            server.statements.forget_all()
+        if any(effect.op == "unpin_all" for effect in effects):
+            server.applied = {}
 
     def _note(self, statement: str, now: float) -> None:
         pinned = self.state.pinned
