@@ -601,8 +601,9 @@ cdef class ClientCore:
         )
         self.state = READY
         # (tuple.__new__: the NamedTuple's own __new__ is a Python function)
+        # (False: a plan is only made for sessions reading strings as "on")
         self.context = tuple.__new__(ClientContext, (
-            self.id, self.database, self.user, self.application_name, proxy.worker_id
+            self.id, self.database, self.user, self.application_name, proxy.worker_id, False
         ))
         if _connections_logger.isEnabledFor(_INFO):
             self._log_login()

@@ -27,7 +27,6 @@ from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.client_login import ClientLogin
 from scry.client_messages import FUNCTION_CALL_MARK, SYNC_MARK, MessageModeRelay, parse_text
 from scry.log import disconnection_event, event, logging_disconnections
-from scry.observe.record import ClientContext
 from scry.pool import Pool, PoolStats
 from scry.protocol import messages as m
 from scry.protocol.errors import (
@@ -618,9 +617,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             server.applied = self.params
             if name == "application_name":
                 self.application_name = value
-                self.context = ClientContext(
-                    self.id, self.database, self.user, value, self.proxy.worker_id
-                )
+                self.context = self.new_context()
+            elif name == "standard_conforming_strings":
+                self.context = self.new_context()
 
     def on_server_lost(self, server: ServerConnection, reason: str, told: bool = False) -> None:
         """Our server died under us.

@@ -468,6 +468,7 @@ class ClientLogin:
             or proxy.client_tls.mode != "disable"
             or pool.welcome is None
             or self._settings_to_check(pool.welcome)
+            or self._standard_strings() != "on"  # (a plan's records read strings as "on")
         ):
             return
         plan = LoginPlan()
@@ -568,15 +569,34 @@ class ClientLogin:
             pool.login_greeting(self.params) + m.backend_key_data(pid, secret) + _READY_IDLE
         )
         self.state = READY
-        self.context = ClientContext(
-            self.id, self.database, self.user, self.application_name, self.proxy.worker_id
-        )
+        self.context = self.new_context()
         if logging_connections():  # (the address costs a getpeername syscall)
             self._log_login()
         early = self._reader.take_remaining() if self._reader is not None else b""
         self._reader = None
         if early:
             self._relay(early)
+
+    def new_context(self) -> ClientContext:
+        """The context of this client's records, as its session stands now."""
+        nonstandard = self._standard_strings() == "off"
+        if nonstandard:
+            self.proxy.observatory.nonstandard_strings = True
+        tracker = self.tracker
+        if tracker is not None:
+            tracker.nonstandard_strings = nonstandard
+        return ClientContext(
+            self.id, self.database, self.user, self.application_name, self.proxy.worker_id,
+            nonstandard,
+        )  # fmt: skip
+
+    def _standard_strings(self) -> str:
+        """standard_conforming_strings as this client's session has it."""
+        value = self.params.get("standard_conforming_strings")
+        if value is None:
+            welcome = self.pool.welcome if self.pool is not None else None
+            value = (welcome or {}).get("standard_conforming_strings", "on")
+        return value
 
     def _log_login(self) -> None:
         connection_event("client login", client=self.id, addr=self.addr, user=self.user,

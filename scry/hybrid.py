@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from scry.log import event
 from scry.protocol.classify import Effect, classify, classify_bytes
 from scry.protocol.session_state import SessionState
+from scry.protocol.string_escapes import standard_text
 
 if TYPE_CHECKING:
     from scry.server import ServerConnection
@@ -68,6 +69,7 @@ class SessionTracker:
         "needs_replay",
         "_parse_effects",
         "_warned",
+        "nonstandard_strings",
     )
 
     def __init__(self, client_id: str, pinning: bool = False) -> None:
@@ -82,6 +84,9 @@ class SessionTracker:
         self.needs_replay = False  # server reclaimed: replay before the next query
         self._parse_effects: tuple[tuple[Effect, ...], bytes] | None = None
         self._warned = False
+        # standard_conforming_strings is off: texts are read through
+        # standard_text first (the client keeps this up to date).
+        self.nonstandard_strings = False
 
     @property
     def state(self) -> SessionState:
@@ -98,6 +103,8 @@ class SessionTracker:
 
     def on_query(self, body: bytes, ordinal: int) -> None:
         """A Query message, completed by ReadyForQuery number ``ordinal``."""
+        if self.nonstandard_strings:
+            body = standard_text(body)
         effects = classify_bytes(body)
         if effects and (effects := unfollowed(effects)):
             self.queued.append((ordinal, effects, body))
@@ -105,6 +112,8 @@ class SessionTracker:
 
     def on_parse(self, text: bytes) -> None:
         """A Parse message: its effects land with the next Sync."""
+        if self.nonstandard_strings:
+            text = standard_text(text)
         effects = unfollowed(classify(text.decode("utf-8", "replace")))
         self._parse_effects = (effects, text) if effects else None
 

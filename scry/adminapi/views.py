@@ -22,6 +22,7 @@ from admin import schemas as s
 from scry import __version__
 from scry.config import join_host_port
 from scry.observe.fingerprint import DIGITS_TO_ZERO
+from scry.protocol.string_escapes import standard_text
 
 if TYPE_CHECKING:
     from scry.client import ClientConnection
@@ -189,6 +190,8 @@ def _current_statement(proxy: Proxy, client: ClientConnection) -> tuple[str | No
         return None, None
     if not isinstance(text, bytes) or not text:
         return None, None
+    if client.context is not None and client.context.nonstandard_strings:
+        text = standard_text(text)  # as the drain wrote it
     observatory = proxy.observatory
     variant = observatory.fingerprinter.variants.get(text.translate(DIGITS_TO_ZERO))
     if variant is None or not variant.matches(text):

@@ -72,6 +72,7 @@ from scry.observe.sketch import HotData
 from scry.observe.stats import StatsTable
 from scry.protocol.classify import classify_bytes
 from scry.protocol.messages import parse_command_rows
+from scry.protocol.string_escapes import standard_text
 
 
 class Observatory:
@@ -161,6 +162,9 @@ class Observatory:
         #: Records that raised while being processed (a bug, but never fatal).
         self.record_failures = 0
         self.records_processed = 0
+        #: A client here has had standard_conforming_strings off: the drain
+        #: then looks for its records (ClientContext.nonstandard_strings).
+        self.nonstandard_strings = False
         # The hot path's one call per statement, bound straight to the C
         # append (a Python method here cost the proxy 55 ns a statement more).
         self.record = self.queue.append if self.enabled else _discard  # type: ignore[method-assign]
@@ -253,6 +257,8 @@ class Observatory:
             popleft = records.popleft
             for _ in repeat(None, n):
                 popleft()
+        if self.nonstandard_strings:
+            batch = _standard_texts(batch)
         try:
             summary = self._summarize(batch)
         except Exception:
@@ -578,6 +584,16 @@ def _log_queries(events: EventBlock) -> None:
 def _settle(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def _standard_texts(batch: list[QueryRecord]) -> list[QueryRecord]:
+    """The records, those of sessions that read plain literals with
+    backslash escapes given texts that PostgreSQL's parser (pglast) and the
+    lexer, which assume standard_conforming_strings = on, read the same way."""
+    return [
+        (rec[0], standard_text(rec[1]), *rec[2:]) if rec[0].nonstandard_strings else rec
+        for rec in batch
+    ]
 
 
 def _discard(rec: QueryRecord) -> None:

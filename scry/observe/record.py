@@ -41,6 +41,9 @@ class ClientContext(NamedTuple):
     user: str
     application_name: str
     worker: int = 0
+    #: The session reads plain '' literals with backslash escapes
+    #: (standard_conforming_strings = off): see scry.protocol.string_escapes.
+    nonstandard_strings: bool = False
 
 
 # Positions in a query record tuple.

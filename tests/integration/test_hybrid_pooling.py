@@ -461,6 +461,13 @@ PIN_CASES = {
     "set_config_false": (["SELECT set_config('myapp.v', 'x', false)"], False, [], ["RESET ALL"]),
     "set_in_committed_tx": (["BEGIN", "SET myapp.v = 'x'", "COMMIT"], False, [], ["RESET myapp.v"]),
     "multi_statement": (["SELECT 1; SET x.y = 1"], True, [], ["RESET ALL"]),
+    # With standard_conforming_strings off, \\' does not end a literal.
+    "nonstandard_strings": (
+        ["SET standard_conforming_strings = off", "SELECT 'it\\'s'; SET x.y = 1"],
+        True,
+        [],
+        ["RESET x.y"],
+    ),
     "prepare": (["PREPARE pin_p AS SELECT 1"], False, ["EXECUTE pin_p"], ["DEALLOCATE pin_p"]),
     "temp_table": (
         ["CREATE TEMP TABLE pin_t (a int)"],
@@ -515,6 +522,10 @@ NO_PIN_CASES = {
     "set_in_rolled_back_tx": (["BEGIN", "SET myapp.v = 'x'", "ROLLBACK"], False),
     "string_literal": (["SELECT 'SET x = 1'"], False),
     "string_with_semicolon": (["SELECT 'a; SET x.y = 1'"], True),
+    "nonstandard_string": (
+        ["SET standard_conforming_strings = off", "SELECT 'a\\'; SET x.y = 1; --'"],
+        True,
+    ),
     "dollar_quote": (["SELECT $$SET x.y = 1$$"], False),
     "dollar_quote_tagged": (["SELECT $q$; SET x.y = 1; $q$"], True),
     "block_comment": (["/* SET x.y = 1; */ SELECT 1"], True),

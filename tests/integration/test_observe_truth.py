@@ -340,7 +340,7 @@ def test_errors_counted_by_sqlstate(observed: Observed) -> None:
 
 CANARY_STR = "zq9canaryXYZ"
 CANARY_NUM = "731904517283"
-CANARIES = [CANARY_STR, CANARY_NUM, "4817.2093", "c4n4ryd0ll4r", "c4n4ryset"]
+CANARIES = [CANARY_STR, CANARY_NUM, "4817.2093", "c4n4ryd0ll4r", "c4n4ryset", "c4n4ryoff"]
 
 
 def canary_workload(conn: psycopg.Connection, simple: psycopg.Connection) -> None:
@@ -382,13 +382,27 @@ def canary_workload(conn: psycopg.Connection, simple: psycopg.Connection) -> Non
     conn.execute("select %s::text, %s::bigint", (s, int(n)))
 
 
+def nonstandard_workload(off: psycopg.Connection, switched: psycopg.Connection) -> None:
+    """Literals of sessions with standard_conforming_strings off, where
+    \\' does not end a literal: read as if it did, the canary is SQL."""
+    switched.execute("set standard_conforming_strings = off")
+    for conn in (off, switched):
+        for text in [
+            "select 'x\\' as c4n4ryoff1 --'",
+            "select 'it\\'s', 'x\\' as c4n4ryoff2, ' as y",
+            "set myapp.off = 'a\\' c4n4ryoff3'",
+        ]:
+            conn.execute(text)
+            psycopg.ClientCursor(conn).execute(text + "; select 1")
+
+
 @pytest.mark.parametrize("mode", ["transaction", "hybrid"])
 def test_canaries_never_leave_when_anonymizing(scry_proxy, tmp_path, mode: str) -> None:
     events_path = tmp_path / "events.bin"
     admin_cfg, base = admin_config()
     proxy = scry_proxy(
         {
-            "pool": {"mode": mode, "size": 2},
+            "pool": {"mode": mode, "size": 3},  # hybrid pins all three clients
             "log": {"level": "debug"},
             **admin_cfg,
             **events_config(events_path),
@@ -398,9 +412,13 @@ def test_canaries_never_leave_when_anonymizing(scry_proxy, tmp_path, mode: str) 
         **proxy.conninfo(), autocommit=True, prepare_threshold=None, application_name="canary"
     ) as conn, psycopg.connect(
         **proxy.conninfo(), autocommit=True, prepare_threshold=0, application_name="canary"
-    ) as prepared:  # fmt: skip
+    ) as prepared, psycopg.connect(
+        **proxy.conninfo(), autocommit=True, application_name="canary",
+        options="-c standard_conforming_strings=off -c escape_string_warning=off",
+    ) as off:  # fmt: skip
         canary_workload(conn, prepared)
         canary_workload(prepared, conn)
+        nonstandard_workload(off, prepared)
         conn.execute(f"set myapp.held = '{CANARY_STR}'")  # pinned in hybrid: shows in /pins
         wait_for_events(
             events_path, lambda evs: sum(e["application_name"] == "canary" for e in evs) >= 40
