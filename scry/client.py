@@ -35,7 +35,7 @@ from scry.protocol.errors import (
     PROTOCOL_VIOLATION,
     ProtocolViolation,
 )
-from scry.protocol.framing import MessageScanner
+from scry.protocol.framing import DEFAULT_MAX_COLLECT, MessageScanner
 from scry.relay_core import (
     AUTH,
     CLIENT_MARK,
@@ -271,9 +271,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             else:  # CopyDone / CopyFail
                 self._close_copy_window()
         if self.transaction_pooling and not terminate:
-            # A Parse longer than this chunk, named (or its name not read yet):
-            # rewritten as a whole message, before any of it is forwarded.
-            parse_start = self._named_parse_start(out)
+            # A Parse longer than this chunk that must be read whole, before
+            # any of it is forwarded: see _partial_parse_start.
+            parse_start = self._partial_parse_start(out)
             if parse_start >= 0 and self._start_rewriting(out, parse_start, owed, texts):
                 return
         self.ordinal += owed
@@ -301,16 +301,23 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         if terminate:
             self._cleanup("client closed")
 
-    def _named_parse_start(self, out: bytes) -> int:
-        """Where in ``out`` a Parse of a named statement (or one whose name has
-        not arrived yet) begins that ``out`` ends without completing; -1 if none."""
+    def _partial_parse_start(self, out: bytes) -> int:
+        """Where in ``out`` a Parse begins that ``out`` ends without completing
+        and that must be read whole; -1 if none. A named one (or one whose name
+        has not arrived yet) is rewritten. An unnamed one longer than the
+        scanner copies out is kept whole, to be parsed again if the Bind comes
+        on another server (ClientStatements.unnamed)."""
         partial = self._scanner.partial_message()
         if partial is None or partial[0] != _PARSE:
             return -1
         gathered = partial[1]
         start = len(out) - 5 - gathered
-        # (A Parse begun in an earlier chunk was forwarded then: too late here.)
-        return start if start >= 0 and (gathered == 0 or out[start + 5] != 0) else -1
+        if start < 0:  # (begun in an earlier chunk, forwarded then: too late here)
+            return -1
+        if gathered == 0 or out[start + 5] != 0:
+            return start
+        length = int.from_bytes(out[start + 1 : start + 5], "big") - 4
+        return start if length > DEFAULT_MAX_COLLECT else -1
 
     def _relay_query(self, out: bytes, body: bytes) -> None:
         """:meth:`_relay` for the commonest chunk by far: one simple Query, whole

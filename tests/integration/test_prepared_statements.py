@@ -457,3 +457,28 @@ def test_discard_all_forgets_statements_in_transaction_mode(scry_proxy, fingerpr
             conn.execute(statement, prepare=False)
             for n in range(3):
                 assert conn.execute("select %s::int + 1", (n,)).fetchone() == (n + 1,)
+
+
+@pytest.mark.parametrize("pad", [100, 1_500_000])
+def test_an_unnamed_statement_bound_on_another_server_is_parsed_there_whole(
+    scry_proxy, pad: int
+) -> None:
+    """Parse (unnamed), Sync, and the Bind later (pg8000 does this): meanwhile
+    another client used the server, so scry parses the statement again
+    first, all of it, however long (longer than the 1 MiB the relay copies
+    from a message it only scans)."""
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}, "auth": {"type": "trust"}})
+    text = "select 42 /* " + "x" * pad + " */"
+    a, c = Raw(proxy.port), Raw(proxy.port)
+    try:
+        a.send(parse(text), SYNC)
+        assert kinds(a.until_ready()) == "1Z"
+        c.send(parse("select 7"), bind(), execute(), SYNC)
+        assert [data_row(body) for kind, body in c.until_ready() if kind == "D"] == [["7"]]
+        a.send(bind(), execute(), SYNC)
+        answer = a.until_ready()
+        assert kinds(answer) == "2DCZ", [fields(body) for kind, body in answer if kind == "E"]
+        assert [data_row(body) for kind, body in answer if kind == "D"] == [["42"]]
+    finally:
+        a.close()
+        c.close()
