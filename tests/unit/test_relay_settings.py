@@ -90,3 +90,43 @@ def test_an_injected_set_does_not_complete_the_clients_execute(
     assert record[1].startswith(b"select 10 / $1::int")
     assert record[6] == b"" and record[7] == "22012"  # no tag, the client's error
     assert not client.inflight
+
+
+def test_a_server_that_refused_a_clients_settings_is_not_reused(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """scry records the settings as applied when it sends them. If PostgreSQL
+    refuses them, none took, and the next client would be told a server has
+    settings it does not: the server is closed when given back."""
+    config = Config.model_validate(
+        {"database_url": "postgres://app:pw@127.0.0.1:5432/app", "pool": {"size": 1}}
+    )
+    proxy = Proxy(config)
+    pool = proxy.pool_for(proxy.targets["app"], "app", "pw")
+    pool.welcome = {}
+    server = ServerConnection(pool)
+    server.transport = backend = Recorder()
+    server.state = IDLE
+    server.applied = {}
+    pool.servers.add(server)
+    pool.idle.append(server)
+    client = ClientConnection(proxy)
+    client.transport = wire = Recorder()
+    client.state = READY
+    client.pool = pool
+    client.stats = pool.stats
+    client.params = {"TimeZone": "Mars/Olympus"}
+
+    client.data_received(m.query("select 1"))
+    assert b"set_config" in bytes(backend.data)
+    server.data_received(
+        m.error_response("22023", 'invalid value for parameter "TimeZone"')
+        + m.ready_for_query(ord("I"))
+        + m.row_description([("?column?", 23)])
+        + m.data_row(["1"])
+        + m.command_complete("SELECT 1")
+        + m.ready_for_query(ord("I"))
+    )
+    assert b"22023" not in bytes(wire.data)  # scry's query, not the client's
+    assert server.retire
+    assert server not in pool.idle and server not in pool.servers
