@@ -407,6 +407,11 @@ class AdminConfig(_Model):
     def _resolve_token(self) -> AdminConfig:
         if self.token is None and self.token_file is not None:
             self.token = _read_secret_file(self.token_file, "token_file")
+        elif self.token is not None and (
+            not self.token.strip() or self.token != self.token.strip()
+        ):
+            # HTTP drops a header's outer whitespace: no client could send it.
+            raise _problem("token", "must not be blank nor begin or end with whitespace")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
             raise _problem(missing, "admin TLS needs both tls_cert_file and tls_key_file")

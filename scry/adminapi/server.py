@@ -36,6 +36,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -94,14 +95,17 @@ def _error_response(status: int, code: str, message: str) -> web.Response:
 # --- query parameters ----------------------------------------------------------------
 
 
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
 def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(400, "bad_parameter", f"{name} must be an integer, not {raw!r}") from None
+    if _INTEGER.fullmatch(raw) is None:  # (int() also takes "1_0" and other scripts' digits)
+        raise ApiError(400, "bad_parameter", f"{name} must be an integer, not {raw!r}")
+    value = int(raw)
     if not low <= value <= high:
         raise ApiError(400, "bad_parameter", f"{name} must be between {low} and {high}")
     return value
@@ -113,10 +117,9 @@ def _float_param(
     raw = request.query.get(name)
     if raw is None or raw == "":
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ApiError(400, "bad_parameter", f"{name} must be a number, not {raw!r}") from None
+    if _NUMBER.fullmatch(raw) is None:  # (float() also takes "1_0", "inf", "nan" ...)
+        raise ApiError(400, "bad_parameter", f"{name} must be a number, not {raw!r}")
+    value = float(raw)
     if value != value or value > high or value < low or (exclusive_low and value == low):
         raise ApiError(400, "bad_parameter", f"{name} must be a number in ({low}, {high}]")
     return value

@@ -109,6 +109,10 @@ async def test_errors_are_json(api) -> None:
         ("GET", "/api/v1/queries/top?window=-1", 400, "bad_parameter"),
         ("GET", "/api/v1/clients?limit=0", 400, "bad_parameter"),
         ("GET", "/api/v1/clients?offset=x", 400, "bad_parameter"),
+        ("GET", "/api/v1/clients?limit=1_0", 400, "bad_parameter"),
+        ("GET", "/api/v1/clients?limit=%D9%A1%D9%A2", 400, "bad_parameter"),  # Arabic-Indic 12
+        ("GET", "/api/v1/queries/top?window=1_0", 400, "bad_parameter"),
+        ("GET", "/api/v1/queries/top?window=infinity", 400, "bad_parameter"),
         ("POST", "/api/v1/clients/c999/kill", 404, "not_found"),
         ("POST", "/api/v1/pins/c999/unpin", 404, "not_found"),
         ("POST", "/api/v1/breaker/trip?database=other", 404, "not_found"),

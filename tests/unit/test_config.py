@@ -233,6 +233,14 @@ def test_admin_token_file_read_at_load(tmp_path: Path) -> None:
     assert cfg.admin.token_file == str(token_file)
 
 
+@pytest.mark.parametrize("token", ["'   '", "' tok-123'", '"tok-123\\n"'])
+def test_a_token_no_client_could_send_is_an_error(tmp_path: Path, token: str) -> None:
+    message = error_for(
+        tmp_path, SEED_YAML + f"admin:\n  listen_addr: '0.0.0.0:6480'\n  token: {token}\n"
+    )
+    assert "admin.token" in message and "whitespace" in message
+
+
 def test_missing_token_file_is_an_error(tmp_path: Path) -> None:
     message = error_for(tmp_path, SEED_YAML + f"admin:\n  token_file: '{tmp_path / 'nope'}'\n")
     assert "admin.token_file: cannot read" in message
