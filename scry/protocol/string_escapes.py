@@ -10,7 +10,7 @@ inside what looks like a literal (a ``SET`` the hybrid pool would miss).
 
 ``standard_text`` writes such a text so that a reader assuming "on" sees the
 same tokens PostgreSQL sees with "off": each plain literal becomes an ``E''``
-literal. Only texts with both a quote and a backslash can read differently;
+literal (``N''``, which PostgreSQL reads as ``nchar ''``, becomes ``nchar E''``). Only texts with both a quote and a backslash can read differently;
 the others come back unchanged.
 """
 
@@ -69,7 +69,10 @@ def standard_text(text: bytes) -> bytes:
             continue
         if kind == "plain":
             body = _ESCAPED_BODY
-            prefix = b" E'" if _follows_word(text, token.start()) else b"E'"
+            if token.group()[0] != 39:  # N'...': PostgreSQL reads "nchar '...'"
+                prefix = b"nchar E'"
+            else:
+                prefix = b" E'" if _follows_word(text, token.start()) else b"E'"
             out += (text[copied : token.start()], prefix)
             copied = start
         elif kind == "escape":

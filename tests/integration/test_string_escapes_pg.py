@@ -33,6 +33,8 @@ _ITEM = st.one_of(
     _literal(b"E"),
     _literal(b"N"),
     _literal(b"text "),
+    _literal(b"text"),  # a word right before the quote
+    _literal(b"U&"),  # refused with the setting off, either way
     st.tuples(_literal(b""), _literal(b"")).map(lambda p: p[0] + b"\n" + p[1]),
     st.tuples(_literal(b""), _literal(b"")).map(lambda p: p[0] + b" -- c\\'\n " + p[1]),
     _BODY.map(lambda b: b"$q$" + b.replace(b"$q$", b"") + b"$q$"),
@@ -70,7 +72,13 @@ def test_rewrite_reads_as_postgresql_reads_the_original(
     readers: tuple[psycopg.Connection, psycopg.Connection], text: bytes
 ) -> None:
     off, on = readers
-    assert _outcome(on, standard_text(text)) == _outcome(off, text)
+    expected = _outcome(off, text)
+    if expected == ("error", "0A000"):
+        # U&'' is refused with the setting off ("unsafe use of string constant
+        # with Unicode escapes"): it never runs, however it is read.
+        assert b"U&" in text
+        return
+    assert _outcome(on, standard_text(text)) == expected
 
 
 def test_the_examples_are_mostly_valid_sql(

@@ -18,7 +18,7 @@ from scry.protocol.string_escapes import standard_text
          rb"INSERT INTO t VALUES (E'it\'s'); SET search_path = x"),
         # After a word, the E must not join it ("abcE" would be a name).
         (rb"SELECT date'2020\'' x", rb"SELECT date E'2020\'' x"),
-        (rb"SELECT N'a\'b'", rb"SELECT E'a\'b'"),
+        (rb"SELECT N'a\'b'", rb"SELECT nchar E'a\'b'"),
         # A continuation is one literal: only its first part takes the E.
         (b"SELECT 'a\\''\n'b'", b"SELECT E'a\\''\n'b'"),
         (b"SELECT 'a' -- note\n  'b\\'c'", b"SELECT E'a' -- note\n  'b\\'c'"),
