@@ -257,8 +257,6 @@ class Observatory:
             popleft = records.popleft
             for _ in repeat(None, n):
                 popleft()
-        if self.nonstandard_strings:
-            batch = _standard_texts(batch)
         try:
             summary = self._summarize(batch)
         except Exception:
@@ -288,6 +286,8 @@ class Observatory:
     def _summarize(self, batch: list[QueryRecord]) -> _Summary:
         """Everything one chunk of records adds up to. Changes nothing but
         caches, so a chunk that fails here can be summarized again."""
+        if self.nonstandard_strings:
+            batch = _standard_texts(batch)  # (a second time changes nothing)
         fingerprinter = self.fingerprinter
         variant_of = fingerprinter.variants.lookup
         values: dict[bytes, int] = {}
