@@ -69,7 +69,7 @@ def standard_text(text: bytes) -> bytes:
             continue
         if kind == "plain":
             body = _ESCAPED_BODY
-            if token.group()[0] != 39:  # N'...': PostgreSQL reads "nchar '...'"
+            if token.group()[:1] != b"'":  # N'...': PostgreSQL reads "nchar '...'"
                 prefix = b"nchar E'"
             else:
                 prefix = b" E'" if _follows_word(text, token.start()) else b"E'"
