@@ -472,9 +472,6 @@ class ServerConnection(ServerCore, asyncio.Protocol):
                     client=client.id,
                     error=m.parse_fields(body).get("M", ""),
                 )
-                # None of them took (one statement), so ``applied`` says what
-                # the server does not have: never reuse it.
-                self.retire_because("could not apply a client setting")
         if self.swallow or self.state is CLOSED:
             return  # inside our own query's response, or the client was just dropped
         if drops is not None:
