@@ -77,6 +77,9 @@ TRACKED_PARAMETERS = frozenset(
 )
 
 
+# The settings a record's ClientContext carries (scry.observe.record).
+_IN_CONTEXT = frozenset({"application_name", "standard_conforming_strings"})
+
 _NO_STATS = PoolStats()  # counts nothing anyone reads: clients before they have a pool
 
 
@@ -624,8 +627,7 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
             server.applied = self.params
             if name == "application_name":
                 self.application_name = value
-                self.context = self.new_context()
-            elif name == "standard_conforming_strings":
+            if name in _IN_CONTEXT:
                 self.context = self.new_context()
 
     def on_server_lost(self, server: ServerConnection, reason: str, told: bool = False) -> None:
