@@ -531,11 +531,15 @@ class ClientLogin:
                 asyncio.get_running_loop().create_task(self._finish_login())
 
     def _settings_to_check(self, welcome: dict[str, str]) -> dict[str, str]:
-        """Startup settings PostgreSQL reports back and may spell differently."""
+        """Startup settings PostgreSQL must see before the login ends: reported
+        ones it may spell differently, and the others until it has accepted
+        them once (Pool.check_settings)."""
+        known = self.pool.setting_spellings
         return {
             k: v
             for k, v in self.params.items()
-            if k in welcome and k != "application_name" and v != welcome[k]
+            if k != "application_name"
+            and (v != welcome[k] if k in welcome else (k, v) not in known)
         }
 
     async def _finish_login(self) -> None:
@@ -549,8 +553,12 @@ class ClientLogin:
             assert pool.welcome is not None
             to_check = self._settings_to_check(pool.welcome)
             if to_check:
-                spelled = await pool.check_settings(to_check)
-                self.params = {**self.params, **spelled}
+                spelled = await pool.check_settings(to_check, self._ignorable_settings())
+                self.params = {
+                    k: spelled.get(k, v)
+                    for k, v in self.params.items()
+                    if k in spelled or k not in to_check  # (else ignored: refused, but listed)
+                }
         except Exception as exc:
             if self.state is LOGIN:
                 sqlstate, text = connect_error(exc)
@@ -560,6 +568,14 @@ class ClientLogin:
             return
         if self.state is LOGIN:
             self._complete_login(pool.welcome)
+
+    def _ignorable_settings(self) -> frozenset[str]:
+        """PgBouncer's ignore_startup_parameters: settings left out, rather than
+        refused, when PostgreSQL does not accept them."""
+        pgbouncer = self.proxy.config.pgbouncer
+        if pgbouncer is None:
+            return frozenset()
+        return frozenset(canonical_name(name) for name in pgbouncer.ignore_startup_parameters)
 
     def _complete_login(self, welcome: dict[str, str]) -> None:
         pool = self.pool

@@ -28,6 +28,8 @@ from scry.relay_core import PoolCore, PoolStats
 from scry.server import CLOSED, IDLE, ServerConnection, ServerLoginError, settings_sql
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from scry.client import ClientConnection
     from scry.proxy import Proxy
 
@@ -45,6 +47,8 @@ _LIBPQ_ONLY = frozenset(
         "user", "password", "dbname",
     }
 )  # fmt: skip
+# Startup (setting, value) pairs a pool remembers checking (then forgets all).
+_MAX_KNOWN_SETTINGS = 4096
 
 
 class Pool(PoolCore):
@@ -57,8 +61,8 @@ class Pool(PoolCore):
         "_next_probe_at", "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen",
         "_welcome_future", "exiting", "health", "last_error", "limit_blocked", "limit_claim",
         "max_message_size", "max_wait_started", "name", "parsed_statements", "server_password",
-        "server_user", "servers_closed", "servers_opened", "setting_spellings",
-        "startup_params", "stats", "target", "unused_since", "__weakref__"
+        "refused_settings", "server_user", "servers_closed", "servers_opened",
+        "setting_spellings", "startup_params", "stats", "target", "unused_since", "__weakref__"
     )  # fmt: skip
 
     def __init__(
@@ -107,8 +111,10 @@ class Pool(PoolCore):
         self.paused = False  # PAUSE: no server for new transactions until RESUME
         self.breaker = proxy.breaker_for(target.name)
         self.health = proxy.health_for(target.name)
-        # (setting, value as a client wrote it) -> PostgreSQL's spelling of it
+        # (setting, value as a client wrote it) -> PostgreSQL's spelling of it,
+        # or (refused_settings) its ErrorResponse fields: check_settings
         self.setting_spellings: dict[tuple[str, str], str] = {}
+        self.refused_settings: dict[tuple[str, str], dict[str, str]] = {}
         # Statements its servers parsed, as many as they can hold together.
         self.parsed_statements = ParsedStatements(
             self.settings.max_prepared_statements * self.settings.size
@@ -549,6 +555,7 @@ class Pool(PoolCore):
         """New settings (a reload): ``Config.pool_settings`` of this pool."""
         self.settings = settings
         self.round_robin = settings.server_round_robin
+        self.refused_settings.clear()  # (a reload is how a DBA says "try again")
 
     @property
     def query_wait_timeout(self) -> float:
@@ -565,31 +572,43 @@ class Pool(PoolCore):
         while waiters and waiters[0].waiting_since <= deadline:
             waiters.popleft().wait_timed_out()
 
-    async def check_settings(self, settings: dict[str, str]) -> dict[str, str]:
-        """PostgreSQL's spelling of reported startup settings, learned once per value.
+    async def check_settings(
+        self, settings: dict[str, str], ignorable: Collection[str] = ()
+    ) -> dict[str, str]:
+        """PostgreSQL's spelling of startup settings, learned once per value.
 
         A client that starts with ``DateStyle=iso,mdy`` must be told
-        ``ISO, MDY``, as PostgreSQL itself would, and an invalid value must fail
-        its login. Unknown (setting, value) pairs are SET once on a pool server
-        and the ParameterStatus it reports is remembered. Raises
-        ``ServerLoginError`` with PostgreSQL's error for an invalid value.
+        ``ISO, MDY``, as PostgreSQL itself would, and a name or value PostgreSQL
+        refuses must fail its login, as it would without scry: otherwise the
+        statement that applies the client's settings fails on every server it
+        is linked to, and takes its valid settings down with it. Each unknown
+        (setting, value) pair is SET once on a pool server and the
+        ParameterStatus it reports is remembered. Raises ``ServerLoginError``
+        with PostgreSQL's error for a refused setting, unless its name is in
+        ``ignorable`` (PgBouncer's ignore_startup_parameters): then it is left
+        out of the answer, and the client must drop it.
         """
-        spellings = self.setting_spellings
-        todo = {k: v for k, v in settings.items() if (k, v) not in spellings}
+        spellings, refused = self.setting_spellings, self.refused_settings
+        todo = {
+            k: v for k, v in settings.items() if (k, v) not in spellings and (k, v) not in refused
+        }
         if todo:
+            if len(spellings) + len(refused) + len(todo) > _MAX_KNOWN_SETTINGS:
+                spellings.clear()  # (distinct values are the clients' to make up)
+                refused.clear()
             server = await self.borrow()
-            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            server.run_internal(settings_sql({}, todo), done.set_result, resync=False)
-            ok = await done
-            if not ok:
-                fields = server.internal_error_fields or {"M": "invalid startup setting"}
+            try:
+                await _try_settings(server, todo, spellings, refused)
+            finally:
                 self.release(server)
+        answer = {}
+        for name, value in settings.items():
+            fields = refused.get((name, value))
+            if fields is None:  # (.get: another login may have forgotten it since)
+                answer[name] = spellings.get((name, value), value)
+            elif name not in ignorable:
                 raise ServerLoginError(fields)
-            for name, value in todo.items():
-                spellings[(name, value)] = server.params.get(name, value)
-            server.applied = todo
-            self.release(server)
-        return {k: spellings[(k, v)] for k, v in settings.items()}
+        return answer
 
     async def borrow(self) -> ServerConnection:
         """A server for scry's own use, waiting in line like a client would."""
@@ -757,6 +776,35 @@ class _Borrower:
     def fail_waiting(self, sqlstate: str, text: str) -> None:
         if not self.future.done():
             self.future.set_exception(ServerLoginError({"C": sqlstate, "M": text}))
+
+
+async def _try_settings(
+    server: ServerConnection,
+    todo: dict[str, str],
+    spellings: dict[tuple[str, str], str],
+    refused: dict[tuple[str, str], dict[str, str]],
+) -> None:
+    """SET each of ``todo`` on ``server`` by itself, so that one refused setting
+    does not hide whether the others are accepted: PostgreSQL's spelling of
+    each accepted one goes in ``spellings``, its error for each refused one in
+    ``refused``. Raises ``ServerLoginError`` if the server fails to answer."""
+    loop = asyncio.get_running_loop()
+    applied: dict[str, str] = {}
+    try:
+        for name, value in todo.items():
+            done: asyncio.Future[bool] = loop.create_future()
+            server.run_internal(settings_sql({}, {name: value}), done.set_result, resync=False)
+            if await done:
+                spellings[(name, value)] = server.params.get(name, value)
+                applied[name] = value
+            elif server.internal_error_fields is not None:
+                refused[(name, value)] = server.internal_error_fields
+            else:
+                raise ServerLoginError(
+                    {"M": "could not check the startup settings: the server did not answer"}
+                )
+    finally:
+        server.applied = applied
 
 
 def connect_error(exc: Exception) -> tuple[str, str]:

@@ -176,9 +176,11 @@ class ScryProcess:
     def dsn(
         self, user: str = "app", password: str | None = "app_pass", dbname: str = "app", **params
     ) -> str:
-        """A postgresql:// URL to the proxy (``params`` become query parameters)."""
+        """A postgresql:// URL to the proxy (``params`` become query parameters;
+        None leaves one out)."""
         params.setdefault("sslmode", "disable")
         params.setdefault("connect_timeout", "10")
+        params = {k: v for k, v in params.items() if v is not None}
         return self.pg.dsn(
             user=user,
             password=password,
@@ -187,6 +189,11 @@ class ScryProcess:
             port=self.port,
             **params,
         )
+
+    def asyncpg_dsn(self, user: str = "app", password: str | None = "app_pass", **params) -> str:
+        """``dsn`` for asyncpg, which sends query parameters it does not know
+        (``connect_timeout``) as settings: pass ``timeout=`` to it instead."""
+        return self.dsn(user, password, connect_timeout=None, **params)
 
     def conninfo(self, user: str = "app", password: str | None = "app_pass", dbname: str = "app"):
         """Keyword arguments for psycopg.connect / AsyncConnection.connect."""

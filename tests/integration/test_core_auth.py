@@ -48,7 +48,9 @@ def run_psql(port: int, user: str, password: str, sql: str) -> subprocess.Comple
 
 
 async def asyncpg_select(proxy, user: str, password: str | None, dbname: str = "app"):
-    conn = await asyncpg.connect(proxy.dsn(user=user, password=password, dbname=dbname), timeout=10)
+    conn = await asyncpg.connect(
+        proxy.asyncpg_dsn(user=user, password=password, dbname=dbname), timeout=10
+    )
     try:
         return await conn.fetchrow("select current_user, 42")
     finally:

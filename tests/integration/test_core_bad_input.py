@@ -439,7 +439,7 @@ async def test_disable_pqexec_refuses_simple_queries_only(scry_proxy) -> None:
     from tests.integration.test_core_auth import run_psql
 
     proxy = scry_proxy({"disable_pqexec": True, "pool": {"mode": "session"}})
-    dsn = proxy.dsn()
+    dsn = proxy.asyncpg_dsn()
     extended, bystander = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
     try:
         assert await extended.fetchval("select $1::int + 1", 41) == 42  # Parse/Bind/Execute

@@ -229,7 +229,7 @@ async def test_concurrent_clients_get_their_own_answers(scry_proxy) -> None:
 
 async def test_asyncpg_session_mode(scry_proxy) -> None:
     proxy = scry_proxy({"pool": {"mode": "session", "size": 3}})
-    conn = await asyncpg.connect(proxy.dsn(), timeout=10)
+    conn = await asyncpg.connect(proxy.asyncpg_dsn(), timeout=10)
     try:
         assert await conn.fetchval("select 1") == 1
         assert await conn.fetchval("select $1::int * 2", 21) == 42
@@ -251,7 +251,7 @@ async def test_asyncpg_session_mode(scry_proxy) -> None:
 async def test_asyncpg_simple_query_in_transaction_mode(scry_proxy) -> None:
     # execute() without arguments is a simple Query: fine in transaction mode.
     proxy = scry_proxy()
-    conn = await asyncpg.connect(proxy.dsn(), timeout=10, statement_cache_size=0)
+    conn = await asyncpg.connect(proxy.asyncpg_dsn(), timeout=10, statement_cache_size=0)
     try:
         await conn.execute("select 1; select 2")
         with pytest.raises(asyncpg.exceptions.DivisionByZeroError):

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 
+import asyncpg
 import psycopg
 import psycopg.errors
 import pytest
@@ -215,6 +216,64 @@ def test_settings_apply_after_a_client_without_standard_conforming_strings(scry_
         new.close()
     assert rows == [["on", "tool\\", "a\\tb"]]
     assert "could not apply a client setting" not in proxy.log_tail(50)
+
+
+# Startup settings PostgreSQL refuses at login: a name it does not know (which
+# asyncpg sends for a connect_timeout in its URL), and values it does not take,
+# for a setting it reports back (TimeZone) and one it does not.
+REFUSED = {
+    "unknown-name": {"TimeZone": "Asia/Tokyo", "connect_timeout": "10"},
+    "bad-value": {"statement_timeout": "soon"},
+    "bad-reported-value": {"TimeZone": "Mars/Olympus_Mons"},
+    "bad-option": {"options": "-c lock_timeout=never"},
+}
+
+
+@pytest.mark.parametrize("settings", REFUSED.values(), ids=REFUSED.keys())
+async def test_a_startup_setting_postgres_refuses_fails_the_login_as_there(
+    scry_proxy, pg, settings: dict[str, str]
+) -> None:
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 2}})
+    with pytest.raises(asyncpg.PostgresError) as direct:
+        await asyncpg.connect(pg.dsn(sslmode="disable"), server_settings=settings, timeout=10)
+    for _ in range(2):  # (the second time, scry remembers the answer)
+        with pytest.raises(asyncpg.PostgresError) as through:
+            await asyncpg.connect(proxy.asyncpg_dsn(), server_settings=settings, timeout=10)
+        assert (through.value.sqlstate, through.value.message) == (
+            direct.value.sqlstate,
+            direct.value.message,
+        )
+    assert "Traceback" not in proxy.log_text()
+
+
+async def test_unreported_startup_settings_follow_each_client(scry_proxy) -> None:
+    """Settings PostgreSQL does not report back (statement_timeout, a custom
+    app.tenant) apply on whichever server serves the client, and a client
+    refused for another setting leaves nothing behind on the servers."""
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 2}})
+    wanted = {"statement_timeout": "1234", "TimeZone": "Asia/Tokyo", "app.tenant": "t1"}
+    with pytest.raises(asyncpg.UndefinedObjectError):
+        await asyncpg.connect(
+            proxy.asyncpg_dsn(), server_settings={**wanted, "connect_timeout": "10"}, timeout=10
+        )
+    clients = [
+        await asyncpg.connect(proxy.asyncpg_dsn(), server_settings=wanted, timeout=10)
+        for _ in range(3)
+    ]
+    plain = [await asyncpg.connect(proxy.asyncpg_dsn(), timeout=10) for _ in range(2)]
+    sql = (
+        "select current_setting('statement_timeout'), current_setting('TimeZone'),"
+        " current_setting('app.tenant', true)"
+    )
+    try:
+        for _ in range(4):
+            answers = await asyncio.gather(*(c.fetchrow(sql) for c in (*clients, *plain)))
+            assert [tuple(a) for a in answers[:3]] == [("1234ms", "Asia/Tokyo", "t1")] * 3
+            for row in answers[3:]:
+                assert row[0] == "0" and row[1] != "Asia/Tokyo" and row[2] in (None, "")
+    finally:
+        for conn in (*clients, *plain):
+            await conn.close()
 
 
 REPORTED = ("application_name", "TimeZone", "DateStyle", "IntervalStyle", "client_encoding")

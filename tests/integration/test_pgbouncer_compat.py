@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import psycopg
 import pytest
 
@@ -698,3 +699,29 @@ def test_server_fast_close_ends_sessions_as_pgbouncer_does(pg: DevCluster, workd
             outcomes[kind] = _fast_close_script(b)
     assert outcomes["scry"] == outcomes["pgbouncer"], outcomes
     assert outcomes["scry"] == ["ok", "servers left: 0", "closed", "closed"]
+
+
+async def _startup_parameters_script(bouncer: Bouncer) -> list[str]:
+    dsn = f"postgresql://app:app_pass@127.0.0.1:{bouncer.port}/app?sslmode=disable"
+    listed = {"connect_timeout": "10", "TimeZone": "Asia/Tokyo"}
+    conn = await asyncpg.connect(dsn, server_settings=listed, timeout=10)
+    try:
+        seen = [await conn.fetchval("select current_setting('TimeZone')")]
+    finally:
+        await conn.close()
+    try:
+        await asyncpg.connect(dsn, server_settings={"not_listed": "1"}, timeout=10)
+        seen.append("connected")
+    except asyncpg.PostgresError:
+        seen.append("refused")  # (PgBouncer: 08P01; scry: 42704, as PostgreSQL says)
+    return seen
+
+
+async def test_ignore_startup_parameters_lets_in_whom_pgbouncer_lets_in(
+    pg: DevCluster, workdir: Path
+) -> None:
+    outcomes = {}
+    for kind in ("pgbouncer", "scry"):
+        with running(kind, pg, workdir, "ignore_startup_parameters = connect_timeout\n") as b:
+            outcomes[kind] = await _startup_parameters_script(b)
+    assert outcomes["scry"] == outcomes["pgbouncer"] == ["Asia/Tokyo", "refused"], outcomes

@@ -54,7 +54,7 @@ async def test_asyncpg_pool_prepared_concurrency(scry_proxy, pg, mode: str) -> N
     finally:
         await admin.close()
 
-    pool = await asyncpg.create_pool(proxy.dsn(), min_size=50, max_size=50)
+    pool = await asyncpg.create_pool(proxy.asyncpg_dsn(), min_size=50, max_size=50)
     try:
 
         async def worker(w: int) -> None:
@@ -269,7 +269,7 @@ async def test_asyncpg_select_star_after_add_column(scry_proxy, pg, mode: str) -
     proxy = proxy_for(scry_proxy, mode, 2)
     table = f"prep_star_{mode}"
     admin = await asyncpg.connect(pg.dsn(user="postgres"))
-    conn = await asyncpg.connect(proxy.dsn())
+    conn = await asyncpg.connect(proxy.asyncpg_dsn())
     try:
         await admin.execute(f"drop table if exists {table}")
         await admin.execute(f"create table {table} (id int primary key, v text)")

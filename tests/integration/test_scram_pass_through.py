@@ -54,7 +54,7 @@ async def test_a_scram_secret_logs_servers_in_with_the_clients_key(
 
     # Six clients at once need all three servers: each logs in with the key.
     async def busy() -> str:
-        conn = await asyncpg.connect(proxy.dsn(user=role, password="pt_pass"), timeout=10)
+        conn = await asyncpg.connect(proxy.asyncpg_dsn(user=role, password="pt_pass"), timeout=10)
         try:
             return await conn.fetchval("select current_user from pg_sleep(0.3)")
         finally:
