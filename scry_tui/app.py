@@ -98,8 +98,12 @@ class ScryConsole(App[None]):
         self.initial_view = view
         self.current_view = view
         self.read_only = read_only
-        # Several proxies: their rankings merge, and exact percentiles need histograms.
-        self.settings = PollSettings(interval=refresh, top_histograms=len(targets) > 1)
+        # Several proxies: their rankings merge, exact percentiles need histograms,
+        # and each proxy's list goes deeper than the rows shown (top_fetch_limit).
+        fleet = len(targets) > 1
+        self.settings = PollSettings(interval=refresh, top_histograms=fleet)
+        if fleet:
+            self.settings.top_limit = 2 * self.settings.top_shown
         self.clock: Clock = clock or SystemClock()
         self.tz = tz
         self.transport_factory = transport_factory

@@ -220,13 +220,85 @@ def merged_p99(parts: list[TopQuery]) -> float | None:
     return max((q.p99_ms for q in parts), default=None)
 
 
-def top_rows(states: list[ProxyState], by: str, previous_ranks: dict[str, int]) -> list[TopRow]:
-    """The Top view's rows: merged when several proxies, with per-fingerprint deltas."""
+#: The most rows the console asks one proxy for (the admin API's page size).
+MAX_TOP_LIMIT = 1000
+# Rankings whose merged value is a sum; the others (mean, p99) are at most
+# their largest part: a merged mean or p99 is never above every proxy's.
+_ADDED_UP = frozenset({"total_time", "calls", "errors"})
+
+
+def top_fetch_limit(states: list[ProxyState], by: str, shown: int, current: int) -> int:
+    """How many rows to ask each proxy for, next time, so that their merged
+    top ``shown`` holds every fingerprint that belongs there.
+
+    A proxy's list leaves out fingerprints it ranks lower, and one that is
+    51st on every proxy may be first in the fleet. What a proxy left out is
+    at most its list's last value, so the lists settle the merged top when
+    nothing outside it could reach the ``shown``-th value with those bounds
+    added. Unsettled: twice as many rows (up to MAX_TOP_LIMIT); settled with
+    half as many: half (not below ``shown``); else as many as now. Until two
+    proxies have answered for this ranking: ``current``, unchanged. Ranked by
+    mean or p99, a listed row's merged value is itself an estimate (a proxy
+    that left the row out may have brought it down), so there the check is
+    as good as those estimates.
+    """
+    live = [s for s in states if s.top is not None and s.up]
+    if len(live) < 2 or any(s.top.by != by for s in live):  # type: ignore[union-attr]
+        return current
+    asked = min(s.top.limit for s in live)  # type: ignore[union-attr]
+    if not _settled(live, by, shown, asked):
+        return min(max(asked, shown) * 2, MAX_TOP_LIMIT)
+    if asked // 2 >= shown and _settled(live, by, shown, asked // 2):
+        return asked // 2
+    return max(asked, shown)
+
+
+def _settled(live: list[ProxyState], by: str, shown: int, depth: int) -> bool:
+    """Whether each proxy's first ``depth`` rows settle the merged top ``shown``."""
+    added_up = by in _ADDED_UP
+    lists, bounds = [], []
+    for state in live:
+        queries = state.top.queries  # type: ignore[union-attr]
+        head = {q.fingerprint: q for q in queries[:depth]}
+        lists.append(head)
+        left_out = len(queries) > depth or len(queries) >= state.top.limit  # type: ignore[union-attr]
+        bounds.append(sort_value(queries[depth - 1], by) if left_out and head else 0.0)
+    values: dict[str, float] = {}
+    for fingerprint in {f for head in lists for f in head}:
+        parts = [head[fingerprint] for head in lists if fingerprint in head]
+        if added_up:
+            values[fingerprint] = sum(sort_value(q, by) for q in parts)
+        elif by == "mean":
+            calls = sum(q.calls for q in parts)
+            values[fingerprint] = sum(q.total_ms for q in parts) / calls if calls else 0.0
+        else:
+            values[fingerprint] = max(q.p99_ms for q in parts)
+    ranked = sorted(values, key=lambda f: -values[f])
+    threshold = values[ranked[shown - 1]] if len(ranked) >= shown else 0.0
+
+    def most(fingerprint: str | None) -> float:
+        """The largest merged value a fingerprint could have (None: one on no list)."""
+        missing = [b for head, b in zip(lists, bounds, strict=True) if fingerprint not in head]
+        if fingerprint is None:
+            return sum(missing) if added_up else max(missing)
+        if added_up:
+            return values[fingerprint] + sum(missing)
+        return max(values[fingerprint], *missing)
+
+    return all(most(f) <= threshold for f in (None, *ranked[shown:]))
+
+
+def top_rows(
+    states: list[ProxyState], by: str, previous_ranks: dict[str, int], shown: int | None = None
+) -> list[TopRow]:
+    """The Top view's rows (the first ``shown``): merged when several proxies,
+    with per-fingerprint deltas."""
     live = [s for s in states if s.top is not None and s.up]
     if len(live) == 1:
         queries = sorted(live[0].top.queries, key=lambda q: (-sort_value(q, by), q.fingerprint))  # type: ignore[union-attr]
     else:
         queries = merge_top(live, by)
+    queries = queries[:shown]
     rows: list[TopRow] = []
     for q in queries:
         owners = tuple(s.name for s in live if q.fingerprint in s.top_tracker.current)

@@ -57,7 +57,8 @@ class PollSettings:
     interval: float = 2.0
     paused: bool = False
     top_by: str = "total_time"
-    top_limit: int = 50
+    top_shown: int = 50  # rows of the Top view
+    top_limit: int = 50  # rows asked of each proxy (scry_tui.model.top_fetch_limit)
     top_histograms: bool = False  # (for merging several proxies' percentiles)
     hot_limit: int = 50
 

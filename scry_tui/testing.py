@@ -123,7 +123,9 @@ class FakeAdmin:
             "/servers": self.servers,
             "/pins": self.pins,
             "/breaker": self.breaker,
-            "/queries/top": lambda: self.top(params.get("by", "total_time")),
+            "/queries/top": lambda: self.top(
+                params.get("by", "total_time"), int(params.get("limit", 50))
+            ),
             "/hot": self.hot,
         }.get(path)
         if body is None:
@@ -264,7 +266,7 @@ class FakeAdmin:
             _breaker_entry("reporting", "closed", failures=0, saturation=0.25, signals=[]),
         ]}  # fmt: skip
 
-    def top(self, by: str) -> dict[str, Any]:
+    def top(self, by: str, limit: int = 50) -> dict[str, Any]:
         scale = 1.0 + 0.15 * max(0, self.frame) + 0.5 * self.seed
         rows = []
         for i, (fp, text, mean, calls, rows_per, errors) in enumerate(QUERIES):
@@ -286,7 +288,7 @@ class FakeAdmin:
             r["share"] = r["total_ms"] / total
         key = {"total_time": "total_ms", "mean": "mean_ms", "calls": "calls", "errors": "errors", "p99": "p99_ms"}[by]  # fmt: skip
         rows.sort(key=lambda r: -r[key])
-        return {"by": by, "window_seconds": None, "limit": 50, "queries": rows}
+        return {"by": by, "window_seconds": None, "limit": limit, "queries": rows[:limit]}
 
     def hot(self) -> dict[str, Any]:
         return {

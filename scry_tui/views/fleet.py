@@ -117,8 +117,8 @@ class FleetView(View):
             text.append(f"  fingerprints {fmt.count(s.queries.fingerprints)}")
             if s.workers > 1:
                 text.append(
-                    f"\n{s.workers} workers; figures are worker {s.worker}'s own "
-                    "(the admin API answers from worker 0)",
+                    f"\n{s.workers} workers; figures are the instance's totals "
+                    "(worker 0 merges them)",
                     style="yellow",
                 )
             if s.read_only:

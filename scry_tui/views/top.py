@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.widgets import DataTable
 
 from scry_tui import fmt
-from scry_tui.model import SORT_LABELS, TopRow, top_rows
+from scry_tui.model import SORT_LABELS, TopRow, top_fetch_limit, top_rows
 from scry_tui.views.base import ConsoleTable, Row, View, matches, sync_table
 
 COLUMNS = (
@@ -56,7 +56,10 @@ class TopView(View):
         if generation != self._generation:
             # New data: what was the ranking a refresh ago?
             self.prev_ranks, self._generation = self.ranks, generation
-        rows = top_rows(states, by, self.prev_ranks)
+        settings = self.console.settings
+        rows = top_rows(states, by, self.prev_ranks, settings.top_shown)
+        if self.console.top_scope is None:
+            settings.top_limit = top_fetch_limit(states, by, settings.top_shown, settings.top_limit)
         self.ranks = {r.query.fingerprint: i for i, r in enumerate(rows, start=1)}
         self.rows = {r.query.fingerprint: r for r in rows}
         table_rows: list[Row] = []

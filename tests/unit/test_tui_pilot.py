@@ -241,3 +241,15 @@ async def test_command_palette_lists_registry_actions() -> None:
         assert any(t.startswith("Force-unpin") for t in titles)
         assert any(t.startswith("Top (views)") for t in titles)
         assert not any(t.startswith("Sort") for t in titles)  # Top-only
+
+
+async def test_several_proxies_are_asked_for_lists_deep_enough_to_merge() -> None:
+    """One row from each of two proxies cannot settle a merged top 3: the next
+    poll asks for 6 (scry_tui.model.top_fetch_limit), and the view shows 3 rows."""
+    app, fakes, clock = fake_console(names=("a", "b"), view="top")
+    app.settings.top_shown, app.settings.top_limit = 3, 1
+    async with app.run_test(size=SIZE) as pilot:
+        await refreshed(pilot, app, 2, clock)
+        for fake in fakes.values():
+            assert [params["limit"] for params in fake.top_params][:2] == ["1", "6"]
+        assert len(_keys(app.query_one("#top-table", DataTable))) == 3

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from rich.text import Text
 
-from admin import TopQuery
+from admin import TopQueries, TopQuery
 from scry_tui import fmt
 from scry_tui.actions import ACTIONS, VIEW_IDS, bindings, view_for
-from scry_tui.model import ProxyState, TopTracker, merge_top
+from scry_tui.model import ProxyState, TopTracker, merge_top, top_fetch_limit, top_rows
 from scry_tui.targets import TargetError, load_fleet, make_target, parse_ssh, resolve_targets
 from scry_tui.testing import FakeAdmin
 
@@ -203,3 +203,45 @@ def test_action_registry_feeds_bindings() -> None:
 def test_text_cells_render() -> None:
     assert isinstance(fmt.breaker_text("half_open"), Text)
     assert "half-open" in fmt.breaker_text("half_open").plain
+
+
+def _ranking(name: str, totals: dict[str, float], limit: int) -> ProxyState:
+    """A proxy's answer to top?by=total_time&limit=``limit``."""
+    state = _state(name, [])
+    ranked = sorted(totals.items(), key=lambda item: -item[1])[:limit]
+    state.top = TopQueries(
+        by="total_time", window_seconds=None, limit=limit,
+        queries=[_q(fp, 10, total, 1.0) for fp, total in ranked],
+    )  # fmt: skip
+    return state
+
+
+def test_a_fingerprint_just_below_every_proxys_list_is_fetched() -> None:
+    """'z' is 51st on both proxies but first in the fleet: the console asks
+    for deeper lists until the merged top 50 is settled, and then shows it."""
+    a_totals = {f"a{i}": 100.0 - i for i in range(50)} | {"z": 50.5}
+    b_totals = {f"b{i}": 100.0 - i for i in range(50)} | {"z": 50.5}
+    shallow = [_ranking("a", a_totals, 50), _ranking("b", b_totals, 50)]
+    assert "z" not in [r.query.fingerprint for r in top_rows(shallow, "total_time", {}, 50)]
+    assert top_fetch_limit(shallow, "total_time", 50, 50) == 100
+    deep = [_ranking("a", a_totals, 100), _ranking("b", b_totals, 100)]
+    rows = top_rows(deep, "total_time", {}, 50)
+    assert len(rows) == 50 and rows[0].query.fingerprint == "z"
+    assert rows[0].query.total_ms == 101.0
+    # Settled at 100 rows; 50 would not settle it: stay.
+    assert top_fetch_limit(deep, "total_time", 50, 100) == 100
+
+
+def test_the_fetch_limit_falls_back_when_fewer_rows_settle_the_merge() -> None:
+    same = {f"q{i}": 1000.0 - i for i in range(300)}
+    deep = [_ranking("a", same, 400), _ranking("b", same, 400)]
+    assert top_fetch_limit(deep, "total_time", 50, 100) == 200
+    # Lists shorter than asked are whole: nothing was left out.
+    few = [_ranking("a", {"x": 1.0}, 50), _ranking("b", {"y": 2.0}, 50)]
+    assert top_fetch_limit(few, "total_time", 50, 50) == 50
+    # One proxy, or a ranking the answers were not for: as many as now.
+    assert top_fetch_limit(deep[:1], "total_time", 50, 100) == 100
+    assert top_fetch_limit(deep, "calls", 50, 100) == 100
+    # Never past the API's page size.
+    crowded = [_ranking(n, {f"{n}{i}": 1.0 for i in range(2000)}, 1000) for n in "ab"]
+    assert top_fetch_limit(crowded, "total_time", 50, 1000) == 1000
