@@ -553,7 +553,12 @@ class ClientLogin:
             assert pool.welcome is not None
             to_check = self._settings_to_check(pool.welcome)
             if to_check:
-                spelled = await pool.check_settings(to_check, self._ignorable_settings())
+                try:
+                    spelled = await pool.check_settings(to_check, self._ignorable_settings())
+                except TimeoutError:  # (no server came free to check them on)
+                    raise ServerLoginError(
+                        {"C": PROTOCOL_VIOLATION, "M": "query_wait_timeout"}
+                    ) from None
                 self.params = {
                     k: spelled.get(k, v)
                     for k, v in self.params.items()

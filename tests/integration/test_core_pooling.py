@@ -276,6 +276,32 @@ async def test_unreported_startup_settings_follow_each_client(scry_proxy) -> Non
             await conn.close()
 
 
+async def test_a_login_waiting_to_check_its_settings_gets_query_wait_timeout(
+    scry_proxy,
+) -> None:
+    """A new setting is checked on a pool server; with none free in time the
+    login ends as a waiting client's query does, not as a connect failure."""
+    proxy = scry_proxy(
+        {"pool": {"mode": "session", "size": 1}, "timeouts": {"query_wait_timeout": 1}}
+    )
+    holder = await asyncpg.connect(proxy.asyncpg_dsn(), timeout=10)
+    try:
+        await holder.execute("select 1")  # (session mode: the only server is its own)
+        with pytest.raises(asyncpg.ProtocolViolationError, match="query_wait_timeout"):
+            await asyncpg.connect(
+                proxy.asyncpg_dsn(), server_settings={"statement_timeout": "4321"}, timeout=10
+            )
+    finally:
+        await holder.close()
+    conn = await asyncpg.connect(
+        proxy.asyncpg_dsn(), server_settings={"statement_timeout": "4321"}, timeout=10
+    )
+    try:
+        assert await conn.fetchval("select current_setting('statement_timeout')") == "4321ms"
+    finally:
+        await conn.close()
+
+
 REPORTED = ("application_name", "TimeZone", "DateStyle", "IntervalStyle", "client_encoding")
 
 
