@@ -165,6 +165,7 @@ def merge_top(states: list[ProxyState], by: str) -> list[TopQuery]:
     Calls, errors, rows and total time add up; means are weighted by calls;
     percentiles come from the proxies' histograms added up, or are the worst
     proxy's (an upper bound) when a proxy sent none (one older than them).
+    A share is of all the proxies' time, not only the listed rows'.
     """
     merged: dict[str, dict[str, Any]] = {}
     parts: dict[str, list[TopQuery]] = {}
@@ -197,12 +198,29 @@ def merge_top(states: list[ProxyState], by: str) -> list[TopQuery]:
         m["histogram"] = histogram = _added_histograms(same)
         if histogram is not None:
             m["p50_ms"], m["p95_ms"], m["p99_ms"] = percentiles(histogram, (0.5, 0.95, 0.99))
-    total = sum(m["total_ms"] for m in merged.values())
+    total = _fleet_total_ms(states)
+    if total is None:
+        total = sum(m["total_ms"] for m in merged.values())
     for m in merged.values():
         m["share"] = m["total_ms"] / total if total else 0.0
     queries = [TopQuery.model_validate(m) for m in merged.values()]
     queries.sort(key=lambda q: (-sort_value(q, by), q.fingerprint))
     return queries
+
+
+def _fleet_total_ms(states: list[ProxyState]) -> float | None:
+    """The time of all the proxies' queries, those their lists left out too
+    (a row's share is its time over its proxy's total, so any row with a
+    share tells that total); None if a proxy's rows tell nothing."""
+    total = 0.0
+    for state in states:
+        if state.top is None or not state.up or not state.top.queries:
+            continue
+        row = next((q for q in state.top.queries if q.share > 0), None)
+        if row is None:
+            return None
+        total += row.total_ms / row.share
+    return total
 
 
 def _added_histograms(parts: list[TopQuery]) -> list[tuple[float, int]] | None:

@@ -245,3 +245,12 @@ def test_the_fetch_limit_falls_back_when_fewer_rows_settle_the_merge() -> None:
     # Never past the API's page size.
     crowded = [_ranking(n, {f"{n}{i}": 1.0 for i in range(2000)}, 1000) for n in "ab"]
     assert top_fetch_limit(crowded, "total_time", 50, 1000) == 1000
+
+
+def test_a_merged_share_is_of_all_the_proxies_time() -> None:
+    """Each proxy's share is of its own total, rows it did not list included:
+    the merged share is of the fleet's total, not of the listed rows'."""
+    a = _state("a", [_q("x", 10, 100.0, 1.0).model_copy(update={"share": 0.5})])  # a: 200 ms
+    b = _state("b", [_q("x", 10, 100.0, 1.0).model_copy(update={"share": 0.25})])  # b: 400 ms
+    (x,) = merge_top([a, b], "total_time")
+    assert x.total_ms == 200.0 and abs(x.share - 200.0 / 600.0) < 1e-9
