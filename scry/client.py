@@ -725,12 +725,16 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
 
     # --- closing -----------------------------------------------------------------------
 
-    def fatal(self, sqlstate: str, text: str, detail: str | None = None) -> None:
+    def fatal(
+        self, sqlstate: str, text: str, detail: str | None = None, hint: str | None = None
+    ) -> None:
         """Send a FATAL ErrorResponse and close."""
         if self.state is CLOSED:
             return
         try:
-            self.transport.write(m.error_response(sqlstate, text, severity="FATAL", detail=detail))
+            self.transport.write(
+                m.error_response(sqlstate, text, severity="FATAL", detail=detail, hint=hint)
+            )
         except Exception:
             pass
         if self.proxy.config.log.pooler_errors and not logging_disconnections():
