@@ -373,6 +373,7 @@ class ClientLogin:
             self.statement_pooling = mode == "statement"
             self.refuse_query = proxy.config.disable_pqexec
             self.tracker = self._new_tracker(mode)
+            self._spell_as_postgres(pool.setting_spellings)
         self._auth = ClientAuthExchange(
             method, self.user, secret, scram_iterations=proxy.auth.scram_iterations
         )
@@ -530,16 +531,27 @@ class ClientLogin:
             else:
                 asyncio.get_running_loop().create_task(self._finish_login())
 
+    def _spell_as_postgres(self, known: dict[tuple[str, str], str]) -> None:
+        """Startup settings this pool has seen PostgreSQL spell otherwise
+        (``DateStyle=iso`` is ``ISO, MDY``), in its spelling: a login that
+        needs no check (or a plan made from it) still greets the client with
+        what PostgreSQL would report."""
+        params = self.params
+        if known and any(known.get((k, v), v) != v for k, v in params.items()):
+            self.params = {k: known.get((k, v), v) for k, v in params.items()}
+
     def _settings_to_check(self, welcome: dict[str, str]) -> dict[str, str]:
-        """Startup settings PostgreSQL must see before the login ends: reported
-        ones it may spell differently, and the others until it has accepted
-        them once (Pool.check_settings)."""
+        """Startup settings PostgreSQL must see before the login ends, until
+        this pool has seen it accept them (Pool.check_settings): the reported
+        ones that differ from its defaults, which it may spell otherwise, and
+        all the others."""
         known = self.pool.setting_spellings
         return {
             k: v
             for k, v in self.params.items()
             if k != "application_name"
-            and (v != welcome[k] if k in welcome else (k, v) not in known)
+            and (k, v) not in known
+            and (k not in welcome or v != welcome[k])
         }
 
     async def _finish_login(self) -> None:

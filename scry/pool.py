@@ -795,7 +795,8 @@ async def _try_settings(
             done: asyncio.Future[bool] = loop.create_future()
             server.run_internal(settings_sql({}, {name: value}), done.set_result, resync=False)
             if await done:
-                spellings[(name, value)] = server.params.get(name, value)
+                spelled = spellings[(name, value)] = server.params.get(name, value)
+                spellings[(name, spelled)] = spelled  # (a respelled client's, next time)
                 applied[name] = value
             elif server.internal_error_fields is not None:
                 refused[(name, value)] = server.internal_error_fields

@@ -149,6 +149,18 @@ class Rig:
         return bytes(sent)
 
 
+def python_login_chunks(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The chunks ClientLogin (the Python login) is handed from now on."""
+    seen: list[bytes] = []
+    python_login = ClientConnection._data_received
+    monkeypatch.setattr(
+        ClientConnection,
+        "_data_received",
+        lambda self, data: (seen.append(data), python_login(self, data)),
+    )
+    return seen
+
+
 def pid_base(pid: int) -> int:
     """A cancel key's pid without its random bits."""
     return pid & ~RANDOM_MASK
@@ -216,13 +228,7 @@ def test_a_repeated_login_is_served_by_the_compiled_path(
     loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rig = Rig("md5", 100, fast=True)
-    seen: list[bytes] = []
-    python_login = ClientConnection._data_received
-    monkeypatch.setattr(
-        ClientConnection,
-        "_data_received",
-        lambda self, data: (seen.append(data), python_login(self, data)),
-    )
+    seen = python_login_chunks(monkeypatch)
     first = rig.login("app", "pgbench", "right", split=False)
     assert first.state == "ready" and len(seen) == 2  # startup and answer: ClientLogin
     seen.clear()
@@ -300,3 +306,43 @@ def test_cancel_keys_follow_a_reloaded_peer_id(loop: asyncio.AbstractEventLoop) 
     compiled = rig.login("app", "pgbench", "right", split=False)
     assert compiled.state == "ready"
     assert key_owner(compiled.cancel_key[0]) == (7, peering.key_owner(rig.proxy.cancel_pid_base)[1])
+
+
+def test_settings_postgres_accepted_before_need_no_check_and_get_a_plan(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JDBC-like client's settings (a reported one that differs from the
+    server's default, one PostgreSQL spells otherwise, one it does not report)
+    that the pool has seen PostgreSQL accept: the login ends at once, greets
+    with PostgreSQL's spelling, and the next one is the compiled path's."""
+    rig = Rig("md5", 100, fast=True)
+    target = rig.proxy.targets["app"]
+    pool = rig.proxy.pool_for(target, *rig.proxy.auth.server_credentials(target, "app"))
+    pool.welcome = {"server_version": "16.0", "DateStyle": "ISO, MDY", "TimeZone": "UTC"}
+    pool.setting_spellings.update(
+        {
+            ("DateStyle", "iso"): "ISO, MDY",
+            ("DateStyle", "ISO, MDY"): "ISO, MDY",
+            ("TimeZone", "Asia/Tokyo"): "Asia/Tokyo",
+            ("extra_float_digits", "3"): "3",
+        }
+    )
+    wanted = {"DateStyle": "iso", "TimeZone": "Asia/Tokyo", "extra_float_digits": "3"}
+    body = struct.pack("!i", 196608) + b"user\0app\0database\0app\0"
+    body += b"".join(f"{k}\0{v}\0".encode() for k, v in wanted.items()) + b"\0"
+    packet = struct.pack("!i", len(body) + 4) + body
+    seen = python_login_chunks(monkeypatch)
+    clients = []
+    for _ in range(2):
+        client = ClientConnection(rig.proxy)
+        client.connection_made(Recorder())
+        client.data_received(packet)
+        salt = bytes(client.transport.data)[9:13]
+        client.data_received(md5_answer("app", "pw", salt))
+        assert client.state == "ready"  # (no task: nothing to check)
+        sent = bytes(client.transport.data)
+        assert b"DateStyle\0ISO, MDY\0" in sent and b"TimeZone\0Asia/Tokyo\0" in sent
+        assert client.params == {"DateStyle": "ISO, MDY", "TimeZone": "Asia/Tokyo",
+                                 "extra_float_digits": "3"}  # fmt: skip
+        clients.append(client)
+    assert len(seen) == 2  # the first login's startup and answer; the second was planned
