@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import time
 
@@ -274,6 +275,36 @@ async def test_unreported_startup_settings_follow_each_client(scry_proxy) -> Non
     finally:
         for conn in (*clients, *plain):
             await conn.close()
+
+
+async def test_a_refused_setting_is_asked_about_again_after_a_reload(
+    scry_proxy, admin_dsn, wait_until
+) -> None:
+    """scry remembers that PostgreSQL refused a setting, until a reload: that
+    is how a DBA who has fixed the cause (here, GRANT SET ON PARAMETER) has
+    it asked again."""
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 2}})
+    wanted = {"log_statement": "all"}  # (only superusers, or a GRANT, may set it)
+
+    async def login() -> asyncpg.Connection:
+        return await asyncpg.connect(proxy.asyncpg_dsn(), server_settings=wanted, timeout=10)
+
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await login()
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute("grant set on parameter log_statement to app")
+        try:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):  # (remembered)
+                await login()
+            proxy.send_signal(signal.SIGHUP)
+            wait_until(lambda: "config reloaded" in proxy.log_text(), 5, what="config reloaded")
+            conn = await login()
+            try:
+                assert await conn.fetchval("select current_setting('log_statement')") == "all"
+            finally:
+                await conn.close()
+        finally:
+            admin.execute("revoke set on parameter log_statement from app")
 
 
 async def test_a_login_waiting_to_check_its_settings_gets_query_wait_timeout(
