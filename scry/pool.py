@@ -57,11 +57,11 @@ class Pool(PoolCore):
     # Slots: more than 30 attributes (with more, CPython 3.11 gives up sharing
     # instance dict keys); the relay's per-transaction fields are PoolCore's.
     __slots__ = (
-        "_connect_failures", "_greetings", "_last_wait_noticed", "_limit_delay", "_limit_timer",
-        "_next_probe_at", "_reserve_timer", "_retry_handle", "_wait_us_seen", "_waits_seen",
-        "_welcome_future", "exiting", "health", "last_error", "limit_blocked", "limit_claim",
-        "max_message_size", "max_wait_started", "name", "parsed_statements", "server_password",
-        "refused_settings", "server_user", "servers_closed", "servers_opened",
+        "_asking", "_connect_failures", "_greetings", "_last_wait_noticed", "_limit_delay",
+        "_limit_timer", "_next_probe_at", "_reserve_timer", "_retry_handle", "_wait_us_seen",
+        "_waits_seen", "_welcome_future", "exiting", "health", "last_error", "limit_blocked",
+        "limit_claim", "max_message_size", "max_wait_started", "name", "parsed_statements",
+        "refused_settings", "server_password", "server_user", "servers_closed", "servers_opened",
         "setting_spellings", "startup_params", "stats", "target", "unused_since", "__weakref__"
     )  # fmt: skip
 
@@ -115,6 +115,7 @@ class Pool(PoolCore):
         # or (refused_settings) its ErrorResponse fields: check_settings
         self.setting_spellings: dict[tuple[str, str], str] = {}
         self.refused_settings: dict[tuple[str, str], dict[str, str]] = {}
+        self._asking: dict[tuple[str, str], asyncio.Future[None]] = {}  # (check_settings)
         # Statements its servers parsed, as many as they can hold together.
         self.parsed_statements = ParsedStatements(
             self.settings.max_prepared_statements * self.settings.size
@@ -588,19 +589,33 @@ class Pool(PoolCore):
         ``ignorable`` (PgBouncer's ignore_startup_parameters): then it is left
         out of the answer, and the client must drop it.
         """
-        spellings, refused = self.setting_spellings, self.refused_settings
-        todo = {
+        spellings, refused, asking = self.setting_spellings, self.refused_settings, self._asking
+        while todo := {
             k: v for k, v in settings.items() if (k, v) not in spellings and (k, v) not in refused
-        }
-        if todo:
+        }:
+            # An application's connections open together and say the same
+            # thing: one login asks PostgreSQL, the others wait for its answer
+            # (and ask themselves if it got none).
+            others = {asking[pair] for pair in todo.items() if pair in asking}
+            if others:
+                await asyncio.wait(others)
+                continue
             if len(spellings) + len(refused) + len(todo) > _MAX_KNOWN_SETTINGS:
                 spellings.clear()  # (distinct values are the clients' to make up)
                 refused.clear()
-            server = await self.borrow()
+            answered = asyncio.get_running_loop().create_future()
+            asking.update(dict.fromkeys(todo.items(), answered))
             try:
-                await _try_settings(server, todo, spellings, refused)
+                server = await self.borrow()
+                try:
+                    await _try_settings(server, todo, spellings, refused)
+                finally:
+                    self.release(server)
             finally:
-                self.release(server)
+                for pair in todo.items():
+                    del asking[pair]
+                answered.set_result(None)
+            break
         answer = {}
         for name, value in settings.items():
             fields = refused.get((name, value))

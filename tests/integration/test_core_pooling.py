@@ -277,6 +277,33 @@ async def test_unreported_startup_settings_follow_each_client(scry_proxy) -> Non
             await conn.close()
 
 
+async def test_logins_opening_together_ask_postgres_about_a_setting_once(
+    scry_proxy, admin_dsn
+) -> None:
+    """Ten connections opened at once with a setting the pool has not seen:
+    one login asks PostgreSQL and the others wait for its answer, so the
+    pool's one idle server is enough. (Each login asking for itself, queued
+    for a server, made the pool open another.)"""
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 20}})
+    first = await asyncpg.connect(proxy.asyncpg_dsn(), timeout=10)
+    await first.fetchval("select 1")  # (the pool's first server, idle from now on)
+    wanted = {"app.tenant": "t9", "statement_timeout": "2345"}
+    clients = await asyncio.gather(
+        *(
+            asyncpg.connect(proxy.asyncpg_dsn(), server_settings=wanted, timeout=10)
+            for _ in range(10)
+        )
+    )
+    try:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            (servers,) = admin.execute(SAMPLE_SQL, (proxy.started_wall,)).fetchone()  # type: ignore[misc]
+        assert servers == 1
+        assert await clients[-1].fetchval("select current_setting('app.tenant')") == "t9"
+    finally:
+        for conn in (first, *clients):
+            await conn.close()
+
+
 async def test_a_refused_setting_is_asked_about_again_after_a_reload(
     scry_proxy, admin_dsn, wait_until
 ) -> None:
