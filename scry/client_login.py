@@ -578,12 +578,11 @@ class ClientLogin:
                 }
         except Exception as exc:
             if self.state is LOGIN:
-                sqlstate, text = connect_error(exc)
                 if isinstance(exc, ServerLoginError):  # PostgreSQL's own words
                     fields = exc.fields
-                    self.fatal(sqlstate, str(exc), fields.get("D"), fields.get("H"))
+                    self.fatal(exc.sqlstate, str(exc), fields.get("D"), fields.get("H"))
                 else:
-                    self.fatal(sqlstate, text)
+                    self.fatal(*connect_error(exc))
             return
         if self.state is LOGIN:
             self._complete_login(pool.welcome)
