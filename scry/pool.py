@@ -804,7 +804,7 @@ async def _try_settings(
     each accepted one goes in ``spellings``, its error for each refused one in
     ``refused``. Raises ``ServerLoginError`` if the server fails to answer."""
     loop = asyncio.get_running_loop()
-    applied: dict[str, str] = {}
+    applied = dict(server.applied)  # (what its last client left on it stays)
     try:
         for name, value in todo.items():
             done: asyncio.Future[bool] = loop.create_future()

@@ -277,6 +277,30 @@ async def test_unreported_startup_settings_follow_each_client(scry_proxy) -> Non
             await conn.close()
 
 
+async def test_a_settings_check_leaves_no_setting_behind(scry_proxy) -> None:
+    """The server a login's settings are checked on keeps what its last client
+    set, and scry must still know it: the next clients get the defaults.
+    (The check once forgot it, and one client's statement_timeout reached the
+    next ones.)"""
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}})
+    sql = "select current_setting('statement_timeout')"
+    first = await asyncpg.connect(
+        proxy.asyncpg_dsn(), server_settings={"statement_timeout": "1234"}, timeout=10
+    )
+    try:
+        assert await first.fetchval(sql) == "1234ms"
+    finally:
+        await first.close()
+    seen = []
+    for settings in ({"app.tenant": "t7"}, {}):  # (the first is checked on the one server)
+        conn = await asyncpg.connect(proxy.asyncpg_dsn(), server_settings=settings, timeout=10)
+        try:
+            seen.append(await conn.fetchval(sql))
+        finally:
+            await conn.close()
+    assert seen == ["0", "0"]
+
+
 async def test_logins_opening_together_ask_postgres_about_a_setting_once(
     scry_proxy, admin_dsn
 ) -> None:
