@@ -87,7 +87,9 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
     """One application connection to scry."""
 
     # Its fields are ClientCore's (scry.relay_core): C struct members when compiled.
-    __slots__ = ("__weakref__",)
+    # _droppable: the startup settings PgBouncer's ignore_startup_parameters lets
+    # its login drop when PostgreSQL refuses them (set in PgBouncer mode only).
+    __slots__ = ("__weakref__", "_droppable")
 
     if not COMPILED:  # else the compiled ClientCore.__init__, which does the same
 

@@ -117,7 +117,9 @@ def startup_settings(params: dict[str, str]) -> dict[str, str]:
     key = tuple(params.items())
     settings = _SETTINGS_CACHE.get(key)
     if settings is None:
-        settings = {}
+        # As in PostgreSQL, a setting named on its own wins over ``options``.
+        options = params.get("options")
+        settings = parse_options(options) if options else {}
         for name, value in params.items():
             if name in _NOT_SETTINGS:
                 continue
@@ -125,12 +127,26 @@ def startup_settings(params: dict[str, str]) -> dict[str, str]:
             if not _valid_setting_name(canonical):
                 raise ProtocolViolation(f"unsupported startup parameter: {name}")
             settings[canonical] = value
-        if params.get("options"):
-            settings.update(parse_options(params["options"]))
         if len(_SETTINGS_CACHE) >= _SETTINGS_CACHE_MAX:
             _SETTINGS_CACHE.clear()
         _SETTINGS_CACHE[key] = settings
     return settings
+
+
+def lenient_options(
+    params: dict[str, str], ignored: frozenset[str]
+) -> tuple[dict[str, str], frozenset[str]]:
+    """``params`` as a login reads them when PgBouncer's ignore_startup_parameters
+    (``ignored``, canonical names) lists ``options``, and the settings its login
+    may go without: PgBouncer drops such a client's whole options string, so
+    scry never refuses it. A malformed one is left out; otherwise each setting
+    it alone gives is applied if PostgreSQL accepts it and dropped if not."""
+    try:
+        from_options = parse_options(params["options"])
+    except ProtocolViolation:
+        return {k: v for k, v in params.items() if k != "options"}, ignored
+    named = {canonical_name(name) for name in params}
+    return params, ignored | (from_options.keys() - named)
 
 
 class ClientLogin:
@@ -313,6 +329,13 @@ class ClientLogin:
         if target is None:
             self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")
             return
+        if proxy.config.pgbouncer is not None:
+            ignored = frozenset(
+                canonical_name(name) for name in proxy.config.pgbouncer.ignore_startup_parameters
+            )
+            if "options" in ignored and "options" in params:
+                params, ignored = lenient_options(params, ignored)
+            self._droppable = ignored
         try:
             settings = startup_settings(params)
         except ProtocolViolation as exc:
@@ -566,7 +589,8 @@ class ClientLogin:
             to_check = self._settings_to_check(pool.welcome)
             if to_check:
                 try:
-                    spelled = await pool.check_settings(to_check, self._ignorable_settings())
+                    droppable = getattr(self, "_droppable", frozenset())  # (PgBouncer mode)
+                    spelled = await pool.check_settings(to_check, droppable)
                 except TimeoutError:  # (no server came free to check them on)
                     raise ServerLoginError(
                         {"C": PROTOCOL_VIOLATION, "M": "query_wait_timeout"}
@@ -586,14 +610,6 @@ class ClientLogin:
             return
         if self.state is LOGIN:
             self._complete_login(pool.welcome)
-
-    def _ignorable_settings(self) -> frozenset[str]:
-        """PgBouncer's ignore_startup_parameters: settings left out, rather than
-        refused, when PostgreSQL does not accept them."""
-        pgbouncer = self.proxy.config.pgbouncer
-        if pgbouncer is None:
-            return frozenset()
-        return frozenset(canonical_name(name) for name in pgbouncer.ignore_startup_parameters)
 
     def _complete_login(self, welcome: dict[str, str]) -> None:
         pool = self.pool

@@ -219,6 +219,20 @@ def test_settings_apply_after_a_client_without_standard_conforming_strings(scry_
     assert "could not apply a client setting" not in proxy.log_tail(50)
 
 
+async def test_a_startup_setting_named_on_its_own_wins_over_options(scry_proxy, pg) -> None:
+    proxy = scry_proxy({"pool": {"mode": "transaction", "size": 1}})
+    settings = {"options": "-c TimeZone=UTC -c statement_timeout=5s", "TimeZone": "Asia/Tokyo"}
+    sql = "select current_setting('TimeZone'), current_setting('statement_timeout')"
+    seen = []
+    for dsn in (pg.dsn(sslmode="disable"), proxy.asyncpg_dsn()):
+        conn = await asyncpg.connect(dsn, server_settings=settings, timeout=10)
+        try:
+            seen.append(tuple(await conn.fetchrow(sql)))
+        finally:
+            await conn.close()
+    assert seen == [("Asia/Tokyo", "5s")] * 2
+
+
 # Startup settings PostgreSQL refuses at login: a name it does not know (which
 # asyncpg sends for a connect_timeout in its URL), and values it does not take,
 # for a setting it reports back (TimeZone) and one it does not.

@@ -725,3 +725,39 @@ async def test_ignore_startup_parameters_lets_in_whom_pgbouncer_lets_in(
         with running(kind, pg, workdir, "ignore_startup_parameters = connect_timeout\n") as b:
             outcomes[kind] = await _startup_parameters_script(b)
     assert outcomes["scry"] == outcomes["pgbouncer"] == ["Asia/Tokyo", "refused"], outcomes
+
+
+async def _options_script(bouncer: Bouncer) -> list[str]:
+    """What comes of each options string: the TimeZone a client ends up with,
+    or "refused"."""
+    dsn = f"postgresql://app:app_pass@127.0.0.1:{bouncer.port}/app?sslmode=disable"
+    seen = []
+    for options in (
+        "-c TimeZone=Asia/Tokyo",
+        "-c no_such_setting=1",  # (PostgreSQL: 42704)
+        "-c statement_timeout=soon -c TimeZone=Asia/Tokyo",  # (22023, and one it accepts)
+        "endpoint=ep-quiet-1",  # (a cloud router's; malformed for PostgreSQL)
+    ):
+        try:
+            conn = await asyncpg.connect(dsn, server_settings={"options": options}, timeout=10)
+        except asyncpg.PostgresError:
+            seen.append("refused")
+            continue
+        try:
+            seen.append(await conn.fetchval("select current_setting('TimeZone')"))
+        finally:
+            await conn.close()
+    return seen
+
+
+async def test_ignored_options_never_refuse_a_client(pg: DevCluster, workdir: Path) -> None:
+    """PgBouncer drops a listed ``options`` whole. scry lets in the same
+    clients, and applies each setting in it that PostgreSQL accepts."""
+    outcomes = {}
+    for kind in ("pgbouncer", "scry"):
+        with running(kind, pg, workdir, "ignore_startup_parameters = options\n") as b:
+            outcomes[kind] = await _options_script(b)
+    default = pg.psql("show TimeZone").strip()
+    assert default != "Asia/Tokyo"
+    assert outcomes["pgbouncer"] == [default] * 4, outcomes
+    assert outcomes["scry"] == ["Asia/Tokyo", default, "Asia/Tokyo", default], outcomes
