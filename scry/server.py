@@ -27,7 +27,7 @@ from scry.breaker import CLOSED as BREAKER_CLOSED
 from scry.log import event
 from scry.protocol import messages as m
 from scry.protocol.auth import BackendAuthError, BackendAuthExchange
-from scry.protocol.classify import quote_literal
+from scry.protocol.classify import quote_identifier, quote_literal
 from scry.protocol.errors import CONNECTION_FAILURE, PROTOCOL_VIOLATION, ProtocolViolation
 from scry.protocol.framing import MessageReader, MessageScanner
 from scry.protocol.prepared import ServerStatements
@@ -915,7 +915,7 @@ def settings_sql(applied: dict[str, str], wanted: dict[str, str]) -> str:
         if applied.get(name) != value
     ]
     parts = [f"SELECT {', '.join(sets)}"] if sets else []
-    parts.extend(f'RESET "{name}"' for name in applied if name not in wanted)
+    parts.extend(f"RESET {quote_identifier(name)}" for name in applied if name not in wanted)
     return ";".join(parts)
 
 

@@ -561,6 +561,11 @@ def quote_literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+def quote_identifier(name: str) -> str:
+    """A quoted SQL identifier for ``name`` (a setting's name, in RESET)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 # -- fallback for texts pglast cannot parse ----------------------------------
 _FALLBACK_PIN_KEYWORDS = frozenset({"SET", "PREPARE", "DECLARE", "LISTEN", "LOAD"})
 _FALLBACK_NOT_SESSION = {

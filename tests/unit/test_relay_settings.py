@@ -21,7 +21,7 @@ from scry.config import Config
 from scry.hybrid import TransactionTracker
 from scry.protocol import messages as m
 from scry.proxy import Proxy
-from scry.server import IDLE, ServerConnection
+from scry.server import IDLE, ServerConnection, settings_sql
 
 PARSE_COMPLETE = msg(b"1")
 DIVISION_BY_ZERO = m.error_response("22012", "division by zero")
@@ -90,3 +90,14 @@ def test_an_injected_set_does_not_complete_the_clients_execute(
     assert record[1].startswith(b"select 10 / $1::int")
     assert record[6] == b"" and record[7] == "22012"  # no tag, the client's error
     assert not client.inflight
+
+
+def test_settings_sql_sets_what_differs_and_resets_what_is_gone() -> None:
+    applied = {"TimeZone": "UTC", "search_path": "a", 'x.odd"; select 1; --': "1"}
+    wanted = {"TimeZone": "UTC", "search_path": "it's", "app.tenant": "t\\1"}
+    assert settings_sql(applied, wanted) == (
+        "SELECT set_config('search_path', 'it''s', false),"
+        " set_config('app.tenant', E't\\\\1', false)"
+        ';RESET "x.odd""; select 1; --"'
+    )
+    assert settings_sql(wanted, wanted) == ""
