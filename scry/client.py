@@ -131,8 +131,12 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         elif self.state is AUTH:
             self._auth_data(data)
         elif self.state is LOGIN:
-            assert self._reader is not None
-            self._reader.feed(data)  # pipelined before ReadyForQuery; relayed later
+            reader = self._reader
+            assert reader is not None
+            reader.feed(data)  # pipelined before ReadyForQuery; relayed later
+            if reader.buffered > MAX_QUEUED_BYTES and not self._paused_waiting:
+                self._paused_waiting = True  # (as a client waiting for a server)
+                self.transport.pause_reading()
 
     def _connection_lost(self, exc: Exception | None) -> None:
         if self.state is not CLOSED:
@@ -177,8 +181,10 @@ class ClientConnection(ClientLogin, MessageModeRelay, ClientCore, asyncio.Protoc
         )
 
     def login_timed_out(self) -> None:
-        """client_login_timeout (checked by the janitor)."""
-        if self.state in (STARTUP, AUTH, LOGIN):
+        """client_login_timeout (checked by the janitor). Not for a client
+        already greeted while PAUSE holds its settings check: its login
+        has ended, as far as it knows, and it waits as a query would."""
+        if self.state in (STARTUP, AUTH, LOGIN) and self.cancel_key is None:
             self.fatal(PROTOCOL_VIOLATION, "client_login_timeout")
 
     # --- relay -------------------------------------------------------------------

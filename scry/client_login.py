@@ -26,7 +26,7 @@ from scry.config import DatabaseTarget
 from scry.hybrid import SessionTracker, TransactionTracker
 from scry.log import connection_event, event, logging_connections
 from scry.observe.record import ClientContext
-from scry.pool import connect_error
+from scry.pool import Pool, connect_error
 from scry.protocol import messages as m
 from scry.protocol import startup as st
 from scry.protocol.auth import AuthStep, ClientAuthExchange
@@ -581,6 +581,7 @@ class ClientLogin:
         """Login that needs the pool first: its first server, or a settings check."""
         pool = self.pool
         assert pool is not None
+        greeted = False
         try:
             await pool.ensure_welcome()
             if self.state is not LOGIN:
@@ -588,6 +589,13 @@ class ClientLogin:
             assert pool.welcome is not None
             to_check = self._settings_to_check(pool.welcome)
             if to_check:
+                refused = pool.refused_settings
+                if pool.paused and any(pair not in refused for pair in to_check.items()):
+                    # The check needs a server, and none is handed out until
+                    # RESUME. As PgBouncer does, the login ends now and what
+                    # the client sends waits; a refusal ends the session.
+                    self._greet(pool)
+                    greeted = True
                 try:
                     droppable = getattr(self, "_droppable", frozenset())  # (PgBouncer mode)
                     spelled = await pool.check_settings(to_check, droppable)
@@ -609,23 +617,31 @@ class ClientLogin:
                     self.fatal(*connect_error(exc))
             return
         if self.state is LOGIN:
-            self._complete_login(pool.welcome)
+            self._complete_login(pool.welcome, greeted)
 
-    def _complete_login(self, welcome: dict[str, str]) -> None:
+    def _complete_login(self, welcome: dict[str, str], greeted: bool = False) -> None:
         pool = self.pool
         assert pool is not None
-        pid, secret = self.proxy.register_cancel_key(self)
-        self.transport.write(
-            pool.login_greeting(self.params) + m.backend_key_data(pid, secret) + _READY_IDLE
-        )
+        if not greeted:
+            self._greet(pool)
         self.state = READY
         self.context = self.new_context()
         if logging_connections():  # (the address costs a getpeername syscall)
             self._log_login()
         early = self._reader.take_remaining() if self._reader is not None else b""
         self._reader = None
+        if self._paused_waiting:  # (it sent much while it waited: the relay bounds it now)
+            self._paused_waiting = False
+            self._update_reading()
         if early:
             self._relay(early)
+
+    def _greet(self, pool: Pool) -> None:
+        """AuthenticationOk, ParameterStatus, BackendKeyData and ReadyForQuery."""
+        pid, secret = self.proxy.register_cancel_key(self)
+        self.transport.write(
+            pool.login_greeting(self.params) + m.backend_key_data(pid, secret) + _READY_IDLE
+        )
 
     def new_context(self) -> ClientContext:
         """The context of this client's records, as its session stands now."""

@@ -23,13 +23,13 @@ from scry.devcluster import free_port
 TOKEN = "wire-pause-token"
 
 
-def make_proxy(scry_proxy, mode: str, size: int = 2):
+def make_proxy(scry_proxy, mode: str, size: int = 2, **timeouts: float):
     port = free_port()
     proxy = scry_proxy(
         {
             "pool": {"mode": mode, "size": size},
             "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{port}", "token": TOKEN},
-            "timeouts": {"query_wait_timeout": 30},
+            "timeouts": {"query_wait_timeout": 30, **timeouts},
         }
     )
     proxy.admin_port = port
@@ -124,6 +124,39 @@ def test_pause_waits_for_the_transaction_and_holds_new_queries(scry_proxy, pg, m
     finally:
         a.close()
         b.close()
+
+
+def test_a_login_with_a_new_setting_ends_during_pause_and_its_query_waits(scry_proxy, pg) -> None:
+    """A setting the pool has never seen is checked on a server before the
+    login ends, and PAUSE hands out none. As with PgBouncer, the login ends at
+    once and the client's first query waits for RESUME (not for
+    client_login_timeout); if PostgreSQL then refuses the setting, that
+    query gets its error and the session ends."""
+    proxy = make_proxy(scry_proxy, "transaction", client_login_timeout=1)
+    with connect(proxy) as first:
+        first.execute("select 1")  # (the pool knows its server's defaults)
+    assert admin_post(proxy, "pause", wait=5)["complete"] is True
+    ok = connect(proxy, options="-c statement_timeout=4321")
+    bad = connect(proxy, options="-c lock_timeout=never")
+    large = connect(proxy, options="-c statement_timeout=4321")  # (its reads are paused)
+    try:
+        held = Background(lambda: ok.execute("show statement_timeout").fetchone())
+        refused = Background(lambda: bad.execute("select 1").fetchone())
+        text = "x" * 600_000
+        sized = Background(lambda: large.execute("select length(%s)", (text,)).fetchone())
+        time.sleep(2.5)  # (client_login_timeout is 1 s: it must not end them)
+        assert not (held.done or refused.done or sized.done), "a query ran while paused"
+        assert admin_post(proxy, "resume")["paused"] is False
+        assert held.result(5) == ("4321ms",)
+        assert sized.result(5) == (600_000,)
+        error = refused.result(5)
+        assert isinstance(error, psycopg.errors.InvalidParameterValue), repr(error)
+        assert 'invalid value for parameter "lock_timeout"' in str(error)
+    finally:
+        for conn in (ok, bad, large):
+            conn.close()
+    assert "client_login_timeout" not in proxy.log_text()
+    assert "Traceback" not in proxy.log_text()
 
 
 def test_pause_with_an_idle_client_holding_its_server(scry_proxy, pg) -> None:
