@@ -218,6 +218,9 @@ class Peering:
         self._applying = False  # a breaker transition from another worker
         self.forwarded = 0  # cancels sent on (to a worker or a peer)
         self.dropped = 0  # cancels nobody here owns and that may not hop again
+        # --replace: what the instance it took the port from was set to (its
+        # instance_state: PAUSE, held breakers), or None.
+        self.replaced_state: dict[str, Any] | None = None
 
     @property
     def peer_id(self) -> int:
@@ -255,7 +258,10 @@ class Peering:
             for sock_path in sorted(inst.glob("w*.sock")):
                 j = int(sock_path.stem[1:])
                 if j % self.identity.workers == self.worker_id:
-                    taken += _request_takeover(sock_path)
+                    socks, state = _request_takeover(sock_path)
+                    taken += socks
+                    if state is not None and self.replaced_state is None:
+                        self.replaced_state = state
         if taken:
             event("took over listening sockets", sockets=len(taken))
         return taken
@@ -494,30 +500,47 @@ class Peering:
             for s in server.sockets
             if s.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)
         ]
+        # With them, what an operator set here (PAUSE, held breakers): the new
+        # instance starts so, rather than as its config says. (Imported here:
+        # the admin layer builds on the proxy, not the reverse.)
+        from scry.adminapi.local import instance_state
+
+        state = json.dumps(instance_state(proxy)).encode()
         transport_sock = writer.get_extra_info("socket")
         # Blocking send on a dup: the pseudo-socket of the transport has no sendmsg.
         with socket.socket(fileno=os.dup(transport_sock.fileno())) as conn:
             conn.setblocking(True)
-            socket.send_fds(conn, [b"ok"], fds)
+            socket.send_fds(conn, [state], fds)
         proxy.listeners_handed_over = True  # (the Unix socket's file is theirs now)
         event("listening sockets handed over: draining until clients leave",
               sockets=len(fds), clients=len(proxy.clients))  # fmt: skip
         proxy.begin_drain(wait_for_clients=True)
 
 
-def _request_takeover(sock_path: Path) -> list[socket.socket]:
-    """Ask one worker of the old instance for its listening sockets (blocking; at start)."""
+def _request_takeover(sock_path: Path) -> tuple[list[socket.socket], dict[str, Any] | None]:
+    """Ask one worker of the old instance for its listening sockets (blocking;
+    at start), and the state an operator put it in (``instance_state``; None
+    from a scry that sends none)."""
+    fds: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(TAKEOVER_TIMEOUT)
             conn.connect(str(sock_path))
             conn.sendall(b"J" + json.dumps({"op": "takeover"}).encode() + b"\n")
-            _msg, fds, _flags, _addr = socket.recv_fds(conn, 16, 64)
+            data, fds, _flags, _addr = socket.recv_fds(conn, 65536, 64)
+            while chunk := conn.recv(65536):  # (until the old worker closes)
+                data += chunk
     except OSError as exc:
-        event("takeover failed; binding fresh sockets", logging.WARNING,
-              socket=str(sock_path), error=str(exc))  # fmt: skip
-        return []
-    return [socket.socket(fileno=fd) for fd in fds]
+        if not fds:
+            event("takeover failed; binding fresh sockets", logging.WARNING,
+                  socket=str(sock_path), error=str(exc))  # fmt: skip
+            return [], None
+        data = b""  # (the sockets came; the state did not)
+    try:
+        state = json.loads(data)
+    except ValueError:  # (an older scry says b"ok")
+        state = None
+    return [socket.socket(fileno=fd) for fd in fds], state if isinstance(state, dict) else None
 
 
 async def _send_unix(path: Path, payload: bytes, until_closed: float | None = None) -> None:

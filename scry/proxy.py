@@ -114,6 +114,10 @@ class Proxy:
         # SO_REUSEPORT: workers share the port, and a rolling restart can bind it
         # while the old instance drains (scry.peering checks nobody else serves it).
         inherited = self.peering.take_over_listeners()
+        if self.peering.replaced_state is not None:  # (before a handed-over socket is served)
+            from scry.adminapi.rejoin import take_replaced_state
+
+            await take_replaced_state(self)
         # (PgBouncer's Unix socket is handed over too: see start_unix_listener.)
         inherited_unix = [sock for sock in inherited if sock.family == socket.AF_UNIX]
         inherited = [sock for sock in inherited if sock.family != socket.AF_UNIX]

@@ -11,6 +11,10 @@ DISABLE, SET, and held breakers) with :func:`ask_the_others` instead.
 
 A worker that finds nobody to ask logs a warning and starts as its config
 says; each question waits at most ``WORKER_TIMEOUT`` (1 s).
+
+A new instance started with ``--replace`` takes the same state from the
+instance it replaces: it comes with the listening sockets that instance
+hands over (scry.peering), and is taken before they are served.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from scry.log import event
 if TYPE_CHECKING:
     from scry.proxy import Proxy
 
-__all__ = ["ask_the_others", "rejoin", "take_held_breakers"]
+__all__ = ["ask_the_others", "rejoin", "take_held_breakers", "take_replaced_state"]
 
 
 async def ask_the_others(
@@ -59,13 +63,31 @@ async def _take_state(proxy: Proxy) -> None:
     if answer is None:
         return
     worker, theirs = answer
-    paused, held = theirs["paused"], theirs["held_breakers"]
+    await _take(proxy, theirs, "took the instance's state from another worker", worker_from=worker)
+
+
+async def take_replaced_state(proxy: Proxy) -> None:
+    """``--replace``: be paused, and hold breakers open, as the instance that
+    handed its listening sockets over was (Peering.replaced_state), before
+    serving them. (From a pgbouncer.ini, the console's own state is not
+    carried over.)"""
+    state = proxy.peering.replaced_state
+    if state is None or proxy.config.pgbouncer is not None:
+        return
+    try:
+        await _take(proxy, state, "took the replaced instance's state")
+    except Exception as exc:  # (an odd answer: start as the config says)
+        event("could not take the replaced instance's state", logging.ERROR,
+              error=repr(exc))  # fmt: skip
+
+
+async def _take(proxy: Proxy, state: dict[str, Any], said: str, **where: object) -> None:
+    paused, held = state["paused"], state["held_breakers"]
     for database in paused:
         await proxy.pause(None if database == EVERY_DATABASE else database)
     take_held_breakers(proxy, held)
     if paused or held:
-        event("took the instance's state from another worker", worker_from=worker,
-              paused=paused, breakers_held=[m["db"] for m in held])  # fmt: skip
+        event(said, **where, paused=paused, breakers_held=[m["db"] for m in held])
 
 
 def take_held_breakers(proxy: Proxy, messages: list[dict[str, Any]]) -> None:

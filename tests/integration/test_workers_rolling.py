@@ -15,10 +15,11 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psycopg
 import pytest
 
-from scry.devcluster import find_pg_bindir
+from scry.devcluster import find_pg_bindir, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +107,49 @@ def test_rolling_restart_under_pgbench(scry_proxy, tmp_path, wait_until, workers
     with psycopg.connect(**new.conninfo()) as conn:
         assert conn.execute("select 1").fetchone() == (1,)
     assert new.returncode is None
+
+
+def test_a_replacing_instance_stays_paused_with_the_breakers_held(scry_proxy, wait_until) -> None:
+    """An operator's PAUSE and a breaker held open survive a rolling restart:
+    the new instance takes them with the listening sockets, before it serves
+    a client (not as its config says)."""
+    admin_port = free_port()
+    overrides = {
+        "pool": {"size": 2},
+        "admin": {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}", "token": "t"},
+    }
+    old = scry_proxy(overrides)
+    api = httpx.Client(
+        base_url=f"http://127.0.0.1:{admin_port}/api/v1", headers={"Authorization": "Bearer t"}
+    )
+    with api:
+        wait_until(lambda: _answers(api, "/status"), 10, what="the admin API")
+        api.post("/breaker/trip", params={"database": "app"}).raise_for_status()
+        api.post("/pause", params={"wait": 2}).raise_for_status()
+        new = scry_proxy(overrides, start=False)
+        start_replacing(new, old)
+        wait_until(lambda: re.search(r" info listening ", new.log_text()), 15, what="it to listen")
+        assert old.wait(15) == 0  # (no clients: it leaves at once)
+        lines = new.log_text().splitlines()
+        took = [i for i, line in enumerate(lines) if "took the replaced instance's state" in line]
+        serving = [i for i, line in enumerate(lines) if " info listening " in line]
+        assert took and took[0] < serving[0], lines
+        assert "paused=['*'] breakers_held=['app']" in lines[took[0]]
+        wait_until(lambda: _answers(api, "/status"), 10, what="the new admin API")
+        assert api.get("/status").json()["paused"] is True
+        (app,) = [d for d in api.get("/breaker").json()["databases"] if d["database"] == "app"]
+        assert (app["breaker"]["state"], app["breaker"]["held"]) == ("open", True)
+        api.post("/resume").raise_for_status()
+        api.post("/breaker/reset", params={"database": "app"}).raise_for_status()
+    with psycopg.connect(**new.conninfo()) as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+
+
+def _answers(api: httpx.Client, path: str) -> bool:
+    try:
+        return api.get(path).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_second_instance_without_replace_is_refused(scry_proxy, wait_until) -> None:
