@@ -254,16 +254,20 @@ class Peering:
                 )
             return []
         taken: list[socket.socket] = []
-        for inst in others:
-            for sock_path in sorted(inst.glob("w*.sock")):
-                j = int(sock_path.stem[1:])
-                if j % self.identity.workers == self.worker_id:
-                    socks, state = _request_takeover(sock_path)
-                    taken += socks
-                    if state is not None and self.replaced_state is None:
-                        self.replaced_state = state
+        old_workers = [path for inst in others for path in sorted(inst.glob("w*.sock"))]
+        for sock_path in old_workers:
+            j = int(sock_path.stem[1:])
+            if j % self.identity.workers == self.worker_id:
+                socks, state = _request_takeover(sock_path)
+                taken += socks
+                if state is not None and self.replaced_state is None:
+                    self.replaced_state = state
         if taken:
             event("took over listening sockets", sockets=len(taken))
+        if self.replaced_state is None and old_workers:
+            # More workers than the old instance had: this one took no
+            # sockets, and asks for the state alone.
+            self.replaced_state = _request_state(old_workers[0])
         return taken
 
     def locate(self, port: int) -> Path:
@@ -541,6 +545,25 @@ def _request_takeover(sock_path: Path) -> tuple[list[socket.socket], dict[str, A
     except ValueError:  # (an older scry says b"ok")
         state = None
     return [socket.socket(fileno=fd) for fd in fds], state if isinstance(state, dict) else None
+
+
+def _request_state(sock_path: Path) -> dict[str, Any] | None:
+    """A worker of the old instance's ``instance_state`` (blocking; at start)."""
+    request = {"op": "admin", "view": "instance_state"}
+    data = b""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(TAKEOVER_TIMEOUT)
+            conn.connect(str(sock_path))
+            conn.sendall(b"J" + json.dumps(request).encode() + b"\n")
+            while chunk := conn.recv(65536):
+                data += chunk
+        state = json.loads(data)["ok"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        event("could not ask the replaced instance's state", logging.WARNING,
+              socket=str(sock_path), error=repr(exc))  # fmt: skip
+        return None
+    return state if isinstance(state, dict) else None
 
 
 async def _send_unix(path: Path, payload: bytes, until_closed: float | None = None) -> None:

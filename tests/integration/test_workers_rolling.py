@@ -145,6 +145,32 @@ def test_a_replacing_instance_stays_paused_with_the_breakers_held(scry_proxy, wa
         assert conn.execute("select 1").fetchone() == (1,)
 
 
+def test_a_replacing_instance_with_more_workers_pauses_them_all(scry_proxy, wait_until) -> None:
+    """Two new workers replace one: worker 1 takes no socket, and asks the
+    old instance for its state instead (a client keeps the old one up)."""
+    admin_port = free_port()
+    admin = {"enabled": True, "listen_addr": f"127.0.0.1:{admin_port}", "token": "t"}
+    old = scry_proxy({"pool": {"size": 2}, "admin": admin})
+    api = httpx.Client(
+        base_url=f"http://127.0.0.1:{admin_port}/api/v1", headers={"Authorization": "Bearer t"}
+    )
+    with api, psycopg.connect(**old.conninfo(), autocommit=True) as stays:
+        wait_until(lambda: _answers(api, "/status"), 10, what="the admin API")
+        api.post("/pause", params={"wait": 2}).raise_for_status()
+        new = scry_proxy({"pool": {"size": 2}, "admin": admin, "workers": 2}, start=False)
+        start_replacing(new, old)
+        took = "took the replaced instance's state paused=['*'] breakers_held=[] worker="
+        wait_until(lambda: new.log_text().count(took) == 2, 15, what="both workers paused")
+        assert f"{took}0" in new.log_text() and f"{took}1" in new.log_text()
+        wait_until(lambda: _answers(api, "/status?worker=1"), 10, what="the new admin API")
+        assert api.get("/status", params={"worker": 1}).json()["paused"] is True
+        api.post("/resume").raise_for_status()
+        stays.close()
+        assert old.wait(15) == 0
+    with psycopg.connect(**new.conninfo()) as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+
+
 def _answers(api: httpx.Client, path: str) -> bool:
     try:
         return api.get(path).status_code == 200
