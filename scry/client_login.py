@@ -581,7 +581,7 @@ class ClientLogin:
         """Login that needs the pool first: its first server, or a settings check."""
         pool = self.pool
         assert pool is not None
-        greeted = False
+        told: dict[str, str] | None = None  # (the settings a greeting before the check said)
         try:
             await pool.ensure_welcome()
             if self.state is not LOGIN:
@@ -595,7 +595,7 @@ class ClientLogin:
                     # RESUME. As PgBouncer does, the login ends now and what
                     # the client sends waits; a refusal ends the session.
                     self._greet(pool)
-                    greeted = True
+                    told = self.params
                 try:
                     droppable = getattr(self, "_droppable", frozenset())  # (PgBouncer mode)
                     spelled = await pool.check_settings(to_check, droppable)
@@ -617,13 +617,25 @@ class ClientLogin:
                     self.fatal(*connect_error(exc))
             return
         if self.state is LOGIN:
-            self._complete_login(pool.welcome, greeted)
+            self._complete_login(pool.welcome, told)
 
-    def _complete_login(self, welcome: dict[str, str], greeted: bool = False) -> None:
+    def _complete_login(self, welcome: dict[str, str], told: dict[str, str] | None = None) -> None:
+        """Greet the client, unless it was greeted with ``told`` as its settings
+        (during PAUSE, before the check): then tell it what the check changed
+        (PostgreSQL's spelling, a dropped setting), as PostgreSQL reports a change."""
         pool = self.pool
         assert pool is not None
-        if not greeted:
+        if told is None:
             self._greet(pool)
+        else:
+            params = self.params
+            changed = b"".join(
+                m.parameter_status(name, params.get(name, default))
+                for name, default in welcome.items()
+                if params.get(name, default) != told.get(name, default)
+            )
+            if changed:
+                self.transport.write(changed)
         self.state = READY
         self.context = self.new_context()
         if logging_connections():  # (the address costs a getpeername syscall)

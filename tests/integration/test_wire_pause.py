@@ -136,7 +136,7 @@ def test_a_login_with_a_new_setting_ends_during_pause_and_its_query_waits(scry_p
     with connect(proxy) as first:
         first.execute("select 1")  # (the pool knows its server's defaults)
     assert admin_post(proxy, "pause", wait=5)["complete"] is True
-    ok = connect(proxy, options="-c statement_timeout=4321")
+    ok = connect(proxy, options="-c statement_timeout=4321 -c DateStyle=iso,dmy")
     bad = connect(proxy, options="-c lock_timeout=never")
     large = connect(proxy, options="-c statement_timeout=4321")  # (its reads are paused)
     try:
@@ -148,6 +148,8 @@ def test_a_login_with_a_new_setting_ends_during_pause_and_its_query_waits(scry_p
         assert not (held.done or refused.done or sized.done), "a query ran while paused"
         assert admin_post(proxy, "resume")["paused"] is False
         assert held.result(5) == ("4321ms",)
+        # (Greeted before PostgreSQL was asked; then told its spelling, as by PostgreSQL.)
+        assert ok.info.parameter_status("DateStyle") == "ISO, DMY"
         assert sized.result(5) == (600_000,)
         error = refused.result(5)
         assert isinstance(error, psycopg.errors.InvalidParameterValue), repr(error)
