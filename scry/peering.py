@@ -218,8 +218,8 @@ class Peering:
         self._applying = False  # a breaker transition from another worker
         self.forwarded = 0  # cancels sent on (to a worker or a peer)
         self.dropped = 0  # cancels nobody here owns and that may not hop again
-        # --replace: what the instance it took the port from was set to (its
-        # instance_state: PAUSE, held breakers), or None.
+        # --replace: what the instance it took the port from was set to
+        # (scry.adminapi.local.replaced_state), or None.
         self.replaced_state: dict[str, Any] | None = None
 
     @property
@@ -507,9 +507,9 @@ class Peering:
         # With them, what an operator set here (PAUSE, held breakers): the new
         # instance starts so, rather than as its config says. (Imported here:
         # the admin layer builds on the proxy, not the reverse.)
-        from scry.adminapi.local import instance_state
+        from scry.adminapi.local import replaced_state
 
-        state = json.dumps(instance_state(proxy)).encode()
+        state = json.dumps(replaced_state(proxy)).encode()
         transport_sock = writer.get_extra_info("socket")
         # Blocking send on a dup: the pseudo-socket of the transport has no sendmsg.
         with socket.socket(fileno=os.dup(transport_sock.fileno())) as conn:
@@ -523,7 +523,7 @@ class Peering:
 
 def _request_takeover(sock_path: Path) -> tuple[list[socket.socket], dict[str, Any] | None]:
     """Ask one worker of the old instance for its listening sockets (blocking;
-    at start), and the state an operator put it in (``instance_state``; None
+    at start), and the state an operator put it in (``replaced_state``; None
     from a scry that sends none)."""
     fds: list[int] = []
     try:
@@ -548,8 +548,8 @@ def _request_takeover(sock_path: Path) -> tuple[list[socket.socket], dict[str, A
 
 
 def _request_state(sock_path: Path) -> dict[str, Any] | None:
-    """A worker of the old instance's ``instance_state`` (blocking; at start)."""
-    request = {"op": "admin", "view": "instance_state"}
+    """A worker of the old instance's ``replaced_state`` (blocking; at start)."""
+    request = {"op": "admin", "view": "replaced_state"}
     data = b""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -26,6 +26,7 @@ Views (NAME, parameters):
                            ``admin``; the answer's wire bytes as latin-1 text
 ``console_state``          what the console's commands set (PAUSE, DISABLE, SET...)
 ``instance_state``         paused databases and held breakers (for a restarted worker)
+``replaced_state``         ``instance`` (the above) and ``console`` (for a ``--replace``)
 
 Every request carries a ``deadline`` (epoch seconds): a worker that reads it
 later (it was stopped or overloaded) drops it instead of acting on it.
@@ -278,6 +279,14 @@ def instance_state(proxy: Proxy) -> dict[str, Any]:
     }
 
 
+def replaced_state(proxy: Proxy) -> dict[str, Any]:
+    """What a ``--replace`` instance takes from this one (scry.peering):
+    ``instance`` (instance_state) and, from a pgbouncer.ini, ``console``
+    (the console's state)."""
+    console = _console_state(proxy) if proxy.config.pgbouncer is not None else None
+    return {"instance": instance_state(proxy), "console": console}
+
+
 def held_breakers(proxy: Proxy) -> list[dict[str, Any]]:
     """The breakers held open by hand here, as peering messages (Peering.apply_breaker)."""
     return [
@@ -313,6 +322,7 @@ _VIEWS: dict[str, _Handler] = {
     "console": console,
     "console_state": lambda p, r: _console_state(p),
     "instance_state": lambda p, r: instance_state(p),
+    "replaced_state": lambda p, r: replaced_state(p),
 }
 
 

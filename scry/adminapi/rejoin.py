@@ -69,13 +69,18 @@ async def _take_state(proxy: Proxy) -> None:
 async def take_replaced_state(proxy: Proxy) -> None:
     """``--replace``: be paused, and hold breakers open, as the instance that
     handed its listening sockets over was (Peering.replaced_state), before
-    serving them. (From a pgbouncer.ini, the console's own state is not
-    carried over.)"""
+    serving them. From a pgbouncer.ini, that is the console's state (PAUSE,
+    SUSPEND, DISABLE; not SET)."""
     state = proxy.peering.replaced_state
-    if state is None or proxy.config.pgbouncer is not None:
+    if state is None:
         return
     try:
-        await _take(proxy, state, "took the replaced instance's state")
+        if proxy.config.pgbouncer is None:
+            await _take(proxy, state["instance"], "took the replaced instance's state")
+        elif state.get("console") is not None:
+            from scry.pgbouncer.instance import adopt_replaced_console_state
+
+            await adopt_replaced_console_state(proxy, state["console"])
     except Exception as exc:  # (an odd answer: start as the config says)
         event("could not take the replaced instance's state", logging.ERROR,
               error=repr(exc))  # fmt: skip

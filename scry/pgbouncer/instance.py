@@ -212,6 +212,17 @@ async def adopt_console_state(proxy: Proxy) -> None:
     if answer is None:
         return
     worker, theirs = answer
+    await _adopt(proxy, theirs, "took the console's state from another worker", worker_from=worker)
+
+
+async def adopt_replaced_console_state(proxy: Proxy, theirs: dict[str, Any]) -> None:
+    """``--replace``: take the console state of the instance replaced (its
+    ``console_state``), except SET: the new process's ini says what it says,
+    as a restarted PgBouncer's does."""
+    await _adopt(proxy, {**theirs, "overrides": {}}, "took the replaced instance's console state")
+
+
+async def _adopt(proxy: Proxy, theirs: dict[str, Any], said: str, **where: object) -> None:
     st = state_for(proxy)
     settings = {k: v for k, v in theirs["overrides"].items() if st.overrides.get(k) != v}
     flags = ("paused_all", "paused", "suspended", "disabled", "held_breakers")
@@ -232,7 +243,7 @@ async def adopt_console_state(proxy: Proxy) -> None:
         pausing.append(database)
     for database in pausing:
         await proxy.pause(database)
-    event("took the console's state from another worker", worker_from=worker,
+    event(said, **where,
           paused=theirs["paused_all"] or theirs["paused"] or False,
           suspended=theirs["suspended"], disabled=theirs["disabled"],
           set=sorted(settings), breakers_held=[b["db"] for b in theirs["held_breakers"]])  # fmt: skip

@@ -25,11 +25,7 @@ def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
     pg: DevCluster, wait_until
 ) -> None:
     with bouncer_dir() as directory:
-        old = Bouncer("scry", pg, directory)
-        old.start()
-        new = Bouncer("scry", pg, directory)
-        new.port = old.port  # (the same ini: same port, pidfile and socket)
-        new.write_ini()
+        old, new = _running_and_next(pg, directory)
         unix_socket = directory / f".s.PGSQL.{old.port}"
         try:
             held = old.connect()
@@ -61,6 +57,48 @@ def test_replace_takes_over_and_the_old_process_leaves_with_its_last_client(
             old.stop()
         assert not (directory / f".s.PGSQL.{new.port}").exists()  # the new one removed its own
         assert "Traceback" not in new.output()
+
+
+def test_replace_keeps_the_consoles_pause_and_disable_but_not_set(
+    pg: DevCluster, wait_until
+) -> None:
+    """As PgBouncer's online restart would not lose them: the new process is
+    paused and the database disabled as the console left the old one; a SET
+    is not carried over (the new ini says what it says)."""
+    with bouncer_dir() as directory:
+        old, new = _running_and_next(pg, directory)
+        try:
+            assert old.admin("SET default_pool_size = 3")[2].startswith("SET")
+            assert old.admin("DISABLE app")[2] == "DISABLE"
+            assert old.admin("PAUSE")[2] == "PAUSE"
+            new.start("--replace")
+            assert old.proc is not None and old.proc.wait(15) == 0  # (no clients)
+            assert dict(new.admin("SHOW STATE")[1])["paused"] == "yes"
+            assert (
+                dict((r[0], r[1]) for r in new.admin("SHOW CONFIG")[1])["default_pool_size"] == "4"
+            )
+            with pytest.raises(psycopg.OperationalError, match="does not allow connections"):
+                new.connect().close()
+            assert new.admin("RESUME")[2] == "RESUME"
+            assert new.admin("ENABLE app")[2] == "ENABLE"
+            with new.connect() as conn:
+                assert conn.execute("select 1").fetchone() == (1,)
+        finally:
+            for bouncer in (new, old):
+                if bouncer.proc is not None:
+                    bouncer.stop()
+        assert "took the replaced instance's console state" in new.output()
+
+
+def _running_and_next(pg: DevCluster, directory: Path) -> tuple[Bouncer, Bouncer]:
+    """A scry-pgbouncer started, and the one to replace it (not started yet)
+    with the same ini: same port, pidfile and socket."""
+    old = Bouncer("scry", pg, directory)
+    old.start()
+    new = Bouncer("scry", pg, directory)
+    new.port = old.port
+    new.write_ini()
+    return old, new
 
 
 def _listening_unix_socket(path: Path) -> str:
@@ -135,11 +173,7 @@ def test_replace_under_pgbench_over_the_unix_socket(
     script = tmp_path / "select1.sql"
     script.write_text("select 1;\n")
     with bouncer_dir() as directory:
-        old = Bouncer("scry", pg, directory)
-        old.start()
-        new = Bouncer("scry", pg, directory)
-        new.port = old.port
-        new.write_ini()
+        old, new = _running_and_next(pg, directory)
         cmd = [
             str(find_pg_bindir() / "pgbench"), "-n", "-M", "simple", "-f", str(script),
             "-h", str(directory), "-p", str(old.port), "-U", "app",
