@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
+import functools
 import logging
 import pwd
 import ssl
@@ -131,6 +132,12 @@ def startup_settings(params: dict[str, str]) -> dict[str, str]:
             _SETTINGS_CACHE.clear()
         _SETTINGS_CACHE[key] = settings
     return settings
+
+
+@functools.lru_cache(maxsize=8)
+def _ignored_names(parameters: tuple[str, ...]) -> frozenset[str]:
+    """ignore_startup_parameters as canonical setting names (worked out once per list)."""
+    return frozenset(canonical_name(name) for name in parameters)
 
 
 def lenient_options(
@@ -330,9 +337,7 @@ class ClientLogin:
             self.fatal(PROTOCOL_VIOLATION, f"no such database: {self.database}")
             return
         if proxy.config.pgbouncer is not None:
-            ignored = frozenset(
-                canonical_name(name) for name in proxy.config.pgbouncer.ignore_startup_parameters
-            )
+            ignored = _ignored_names(tuple(proxy.config.pgbouncer.ignore_startup_parameters))
             if "options" in ignored and "options" in params:
                 params, ignored = lenient_options(params, ignored)
             self._droppable = ignored

@@ -527,13 +527,7 @@ def _request_takeover(sock_path: Path) -> tuple[list[socket.socket], dict[str, A
     from a scry that sends none)."""
     fds: list[int] = []
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(TAKEOVER_TIMEOUT)
-            conn.connect(str(sock_path))
-            conn.sendall(b"J" + json.dumps({"op": "takeover"}).encode() + b"\n")
-            data, fds, _flags, _addr = socket.recv_fds(conn, 65536, 64)
-            while chunk := conn.recv(65536):  # (until the old worker closes)
-                data += chunk
+        data = _ask_old_worker(sock_path, {"op": "takeover"}, fds)
     except OSError as exc:
         if not fds:
             event("takeover failed; binding fresh sockets", logging.WARNING,
@@ -549,21 +543,34 @@ def _request_takeover(sock_path: Path) -> tuple[list[socket.socket], dict[str, A
 
 def _request_state(sock_path: Path) -> dict[str, Any] | None:
     """A worker of the old instance's ``replaced_state`` (blocking; at start)."""
-    request = {"op": "admin", "view": "replaced_state"}
-    data = b""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(TAKEOVER_TIMEOUT)
-            conn.connect(str(sock_path))
-            conn.sendall(b"J" + json.dumps(request).encode() + b"\n")
-            while chunk := conn.recv(65536):
-                data += chunk
+        data = _ask_old_worker(sock_path, {"op": "admin", "view": "replaced_state"})
         state = json.loads(data)["ok"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         event("could not ask the replaced instance's state", logging.WARNING,
               socket=str(sock_path), error=repr(exc))  # fmt: skip
         return None
     return state if isinstance(state, dict) else None
+
+
+def _ask_old_worker(
+    sock_path: Path, request: dict[str, Any], fds: list[int] | None = None
+) -> bytes:
+    """Send ``request`` to a worker of the old instance and read its whole
+    answer (blocking; at start). ``fds``, if given, receives the descriptors
+    that come with the answer's first part."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(TAKEOVER_TIMEOUT)
+        conn.connect(str(sock_path))
+        conn.sendall(b"J" + json.dumps(request).encode() + b"\n")
+        if fds is None:
+            data = b""
+        else:
+            data, received, _flags, _addr = socket.recv_fds(conn, 65536, 64)
+            fds.extend(received)
+        while chunk := conn.recv(65536):  # (until the old worker closes)
+            data += chunk
+    return data
 
 
 async def _send_unix(path: Path, payload: bytes, until_closed: float | None = None) -> None:
